@@ -1,0 +1,113 @@
+"""Loading an HF Apriel2 checkpoint directory into the Flax model.
+
+The parameter tree mirrors the HF key paths, so the expected key set comes from the model's own abstract
+state (``nnx.eval_shape``: no memory is allocated for it). Every problem (missing, unexpected, mis-shaped
+tensors) is collected and reported in one error. Tensors are then read one at a time from memory maps, cast,
+and put on the device, so the host never holds a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import Apriel2Config, load_config
+from .modules import Apriel2ForCausalLM
+from .safetensors_io import CheckpointError, index_checkpoint, read_tensor
+
+__all__ = ["CheckpointError", "load_model", "expected_parameters", "DTYPES"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Keys a text-only model ignores on purpose: the multimodal wrapper's vision tower (spec Appendix B).
+_IGNORED_PREFIXES = ("model.vision_encoder.",)
+
+
+def _key(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def expected_parameters(config: Apriel2Config, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State, dict]:
+    """Graph definition, abstract state, and {HF key: abstract variable} of the model for ``config``."""
+    abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, {_key(path): var for path, var in nnx.to_flat_state(state)}
+
+
+def load_model(
+    directory: str | os.PathLike,
+    dtype: str | jnp.dtype = "float32",
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Apriel2ForCausalLM:
+    """Load ``config.json`` and the safetensors weights of ``directory`` as a model in ``dtype``.
+
+    Parameters the reference keeps in fp32 (gates' ``A_log``/``dt_bias``, Mamba ``D``) stay fp32.
+    ``progress(done, total, key)`` is called after each tensor; by default a line is printed to stderr for
+    checkpoints large enough to take a while.
+    """
+    directory = os.fspath(directory)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    config = load_config(directory)
+    graphdef, state, expected = expected_parameters(config, dtype)
+    found = index_checkpoint(directory)
+
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(
+        k
+        for k in set(found) - set(expected)
+        if not k.startswith(_IGNORED_PREFIXES) and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    )
+    mismatched = sorted(
+        f"{k}: checkpoint {list(found[k].shape)}, model expects {list(expected[k].shape)}"
+        for k in set(found) & set(expected)
+        if tuple(found[k].shape) != tuple(expected[k].shape)
+    )
+    if missing or unexpected or mismatched:
+        lines = [f"checkpoint {directory} does not match its config.json:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)):
+            if items:
+                lines.append(f"  {title} ({len(items)}):")
+                lines.extend(f"    {item}" for item in items)
+        raise CheckpointError("\n".join(lines))
+
+    total = len(expected)
+    nbytes = sum(int(np.prod(found[k].shape)) * found[k].dtype.itemsize for k in expected)
+    if progress is None and nbytes > 2**30:
+        progress = _stderr_progress(nbytes)
+    for done, (path, var) in enumerate(nnx.to_flat_state(state), start=1):
+        key = _key(path)
+        array = read_tensor(found[key])
+        target = var.dtype
+        host = np.asarray(array) if array.dtype == target else np.asarray(array).astype(target)
+        var.set_value(jax.device_put(host))
+        if progress is not None:
+            progress(done, total, key)
+    return nnx.merge(graphdef, state)
+
+
+def _stderr_progress(nbytes: int) -> Callable[[int, int, str], None]:
+    start = time.monotonic()
+    last = [0.0]
+
+    def report(done: int, total: int, key: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > 1.0 or done == total:
+            last[0] = now
+            print(
+                f"\rloading weights: {done}/{total} tensors ({nbytes / 2**30:.1f} GiB) {now - start:.0f}s",
+                end="\n" if done == total else "",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return report

@@ -1,0 +1,44 @@
+"""The one dispatch point between the jnp reference ops and the Pallas kernels.
+
+Modules never import an op implementation directly; they call ``op("name")`` at trace time. Kernels register
+themselves for a platform (``register("gated_delta_rule", "gpu", fn)``) with the same signature as the jnp
+reference. ``APRIEL2_OPS=reference`` forces the jnp ops everywhere (the oracle, and the CPU path).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+
+from .ops import attention, conv, delta_rule, mamba
+
+_REFERENCE: dict[str, Callable] = {
+    "attention": attention.attention,
+    "causal_conv1d": conv.causal_conv1d,
+    "causal_conv1d_step": conv.causal_conv1d_step,
+    "gated_delta_rule": delta_rule.gated_delta_rule,
+    "gated_delta_rule_step": delta_rule.gated_delta_rule_step,
+    "kda_delta_rule": delta_rule.kda_delta_rule,
+    "kda_delta_rule_step": delta_rule.kda_delta_rule_step,
+    "selective_scan": mamba.selective_scan,
+    "selective_scan_step": mamba.selective_scan_step,
+}
+_KERNELS: dict[tuple[str, str], Callable] = {}
+
+
+def register(name: str, platform: str, fn: Callable) -> None:
+    """Register a kernel for ``name`` on ``platform`` ("gpu", "cpu", ...); it must match the reference signature."""
+    if name not in _REFERENCE:
+        raise KeyError(f"unknown op {name!r}; known ops: {sorted(_REFERENCE)}")
+    _KERNELS[(name, platform)] = fn
+
+
+def op(name: str) -> Callable:
+    """The implementation of ``name`` for the default backend: a registered kernel, else the jnp reference."""
+    if os.environ.get("APRIEL2_OPS", "") != "reference":
+        fn = _KERNELS.get((name, jax.default_backend()))
+        if fn is not None:
+            return fn
+    return _REFERENCE[name]

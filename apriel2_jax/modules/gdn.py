@@ -1,0 +1,61 @@
+"""Gated DeltaNet mixer (spec §2.6) with the flat ``[Q | K | V | Z]`` / ``[b | a]`` projection layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import GDNConfig
+from ..dispatch import op
+from ..ops.delta_rule import gdn_gate
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: GDNConfig, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        key_size = cfg.key_heads * cfg.key_head_dim
+        value_size = cfg.value_heads * cfg.value_head_dim
+        self.in_proj_qkvz = Linear(hidden_size, 2 * key_size + 2 * value_size, False, dtype=dtype, rngs=rngs)
+        self.in_proj_ba = Linear(hidden_size, 2 * cfg.value_heads, False, dtype=dtype, rngs=rngs)
+        self.convolution = DepthwiseConv(cfg.conv_channels, cfg.conv_kernel_size, False, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(value_size, hidden_size, False, dtype=dtype, rngs=rngs)
+        # Gate parameters stay fp32 whatever the model dtype: the gates are computed in fp32 (spec §8).
+        self.dt_bias = nnx.Param(jnp.ones((cfg.value_heads,), jnp.float32))
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, cfg.value_heads, dtype=jnp.float32)))
+        self.norm = GatedRMSNorm(cfg.value_head_dim, cfg.norm_eps, "silu", dtype=dtype)
+
+    def init_state(self, batch: int, max_len: int, dtype) -> dict[str, jax.Array]:
+        cfg = self.cfg
+        return {
+            "conv": jnp.zeros((batch, cfg.conv_kernel_size - 1, cfg.conv_channels), dtype),
+            "ssm": jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
+        }
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        key_size = cfg.key_heads * cfg.key_head_dim
+        qkvz = self.in_proj_qkvz(x)
+        qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
+        ba = self.in_proj_ba(x)
+        b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
+        mixed, conv_state = conv_forward(self.convolution, qkv, None if state is None else state["conv"], op)
+        q = mixed[..., :key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
+        k = mixed[..., key_size : 2 * key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
+        v = mixed[..., 2 * key_size :].reshape(batch, length, cfg.value_heads, cfg.value_head_dim)
+        beta = jax.nn.sigmoid(b)  # model dtype, as the reference
+        g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
+        if state is None:
+            ssm = jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32)
+        else:
+            ssm = state["ssm"]
+        if state is not None and length == 1:
+            o, ssm = op("gated_delta_rule_step")(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm)
+            o = o[:, None]
+        else:
+            o, ssm = op("gated_delta_rule")(q, k, v, g, beta, ssm)
+        y = self.norm(o, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim))
+        out = self.out_proj(y.reshape(batch, length, cfg.value_heads * cfg.value_head_dim))
+        return out, {"conv": conv_state, "ssm": ssm}

@@ -1,0 +1,67 @@
+"""Kimi Delta Attention mixer (spec §2.7): three separate q/k/v convs, per-channel decay, low-rank gates."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import KDAConfig
+from ..dispatch import op
+from ..ops.delta_rule import kda_gate
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
+
+
+class KimiDeltaAttention(nnx.Module):
+    def __init__(self, cfg: KDAConfig, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        size, dim = cfg.projection_size, cfg.head_dim
+        self.q_proj = Linear(hidden_size, size, False, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(hidden_size, size, False, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(hidden_size, size, False, dtype=dtype, rngs=rngs)
+        self.q_conv = DepthwiseConv(size, cfg.conv_kernel_size, False, dtype=dtype, rngs=rngs)
+        self.k_conv = DepthwiseConv(size, cfg.conv_kernel_size, False, dtype=dtype, rngs=rngs)
+        self.v_conv = DepthwiseConv(size, cfg.conv_kernel_size, False, dtype=dtype, rngs=rngs)
+        self.f_a_proj = Linear(hidden_size, dim, False, dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear(dim, size, False, dtype=dtype, rngs=rngs)
+        self.g_a_proj = Linear(hidden_size, dim, False, dtype=dtype, rngs=rngs)
+        self.g_b_proj = Linear(dim, size, False, dtype=dtype, rngs=rngs)
+        self.beta_proj = Linear(hidden_size, cfg.heads, False, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(size, hidden_size, False, dtype=dtype, rngs=rngs)
+        # Created fp32 in the reference and kept so: the decay gate is computed in fp32.
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, cfg.heads, dtype=jnp.float32)))
+        self.dt_bias = nnx.Param(jnp.zeros((size,), jnp.float32))
+        self.norm = GatedRMSNorm(dim, cfg.norm_eps, cfg.norm_activation, dtype=dtype)
+
+    def init_state(self, batch: int, max_len: int, dtype) -> dict[str, jax.Array]:
+        cfg = self.cfg
+        conv = (batch, cfg.conv_kernel_size - 1, cfg.projection_size)
+        return {
+            "conv_q": jnp.zeros(conv, dtype),
+            "conv_k": jnp.zeros(conv, dtype),
+            "conv_v": jnp.zeros(conv, dtype),
+            "ssm": jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32),
+        }
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        shape = (batch, length, cfg.heads, cfg.head_dim)
+        get = (lambda key: None) if state is None else state.get
+        q, conv_q = conv_forward(self.q_conv, self.q_proj(x), get("conv_q"), op)
+        k, conv_k = conv_forward(self.k_conv, self.k_proj(x), get("conv_k"), op)
+        v, conv_v = conv_forward(self.v_conv, self.v_proj(x), get("conv_v"), op)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(shape), self.A_log[...], self.dt_bias[...])
+        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        ssm = get("ssm")
+        if ssm is None:
+            ssm = jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32)
+        if state is not None and length == 1:
+            o, ssm = op("kda_delta_rule_step")(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm)
+            o = o[:, None]
+        else:
+            o, ssm = op("kda_delta_rule")(q, k, v, g, beta, ssm)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+        y = self.norm(o, gate).reshape(batch, length, cfg.projection_size)
+        return self.o_proj(y), {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "ssm": ssm}

@@ -1,0 +1,192 @@
+"""Gated delta rule (GDN, spec §2.6) and Kimi delta attention (KDA, spec §2.7) as pure jnp functions.
+
+Both are the same recurrence with a different decay: GDN decays the whole state by a scalar per head, KDA
+decays each key channel separately. Per head, at every token (decay, then delta write, then read):
+
+    S <- diag(exp(g_t)) S
+    u  = beta_t (v_t - S^T k_t)
+    S <- S + k_t u^T
+    o_t = S^T q_t
+
+with q, k L2-normalised and q scaled by K^-1/2 (fla's ``use_qk_l2norm_in_kernel``). The state S is [K, V] fp32.
+
+The sequence form is chunked (WY form). Inside a chunk with cumulative log decay G_t = sum_{s<=t} g_s and
+state S0 at the chunk start, the writes u solve a unit lower-triangular system
+
+    (I + A) U = diag(beta) (V - (exp(G) * K) S0),   A_ts = beta_t sum_i k_ti k_si exp(G_ti - G_si)  (s < t)
+
+and then O = (exp(G) * Q) S0 + (M o (Q K-decayed^T)) U and S_C = exp(G_C) S0 + (exp(G_C - G) * K)^T U.
+Decay ratios exp(G_t - G_s) with s <= t are <= 1, so nothing overflows however strong the decay (KDA has no
+lower bound on g). Padding tokens get g = 0, beta = 0: identity updates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .norms import F32, l2_normalize, softplus
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _ein(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=HIGHEST)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gates
+
+
+def gdn_gate(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """GDN log decay, fp32: ``-exp(A_log) * softplus(a + dt_bias)``. a: [..., H_v]."""
+    return -jnp.exp(A_log.astype(F32)) * softplus(a.astype(F32) + dt_bias.astype(F32))
+
+
+def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """KDA per-channel log decay, fp32. g_raw: [..., H, D]; A_log: [H]; dt_bias: [H*D] (head-major)."""
+    heads, dim = g_raw.shape[-2:]
+    bias = dt_bias.astype(F32).reshape(heads, dim)
+    return -jnp.exp(A_log.astype(F32))[:, None] * softplus(g_raw.astype(F32) + bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Core recurrence on normalised inputs, one q/k head per value head
+
+
+def _delta_rule_chunk(state, chunk):
+    """One chunk. state: [B,H,K,V]; q,k: [B,H,C,K]; v: [B,H,C,V]; g: [B,H,C,K'] (K' = K or 1); beta: [B,H,C]."""
+    q, k, v, g, beta = chunk
+    size = q.shape[2]
+    cum = jnp.cumsum(g, axis=2)  # [B,H,C,K']
+    t_idx = jnp.arange(size)
+    incl = t_idx[:, None] >= t_idx[None, :]
+    strict = t_idx[:, None] > t_idx[None, :]
+    diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [B,H,t,s,K']
+    ratio = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
+    if g.shape[-1] == 1:
+        kk = _ein("bhtk,bhsk->bhts", k, k) * ratio[..., 0]
+        qk = _ein("bhtk,bhsk->bhts", q, k) * ratio[..., 0]
+    else:
+        kk = _ein("bhtk,bhsk,bhtsk->bhts", k, k, ratio)
+        qk = _ein("bhtk,bhsk,bhtsk->bhts", q, k, ratio)
+    a = jnp.where(strict, kk, 0.0) * beta[..., None]
+    decay = jnp.exp(cum)
+    rhs = beta[..., None] * (v - _ein("bhck,bhkv->bhcv", k * decay, state))
+    eye = jnp.eye(size, dtype=F32)
+    u = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    out = _ein("bhck,bhkv->bhcv", q * decay, state) + _ein("bhts,bhsv->bhtv", jnp.where(incl, qk, 0.0), u)
+    last = cum[:, :, -1:, :]  # [B,H,1,K']
+    new_state = jnp.exp(last[:, :, 0, :])[..., None] * state + _ein("bhck,bhcv->bhkv", k * jnp.exp(last - cum), u)
+    return new_state, out
+
+
+def delta_rule_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """Normalised inputs, fp32. q, k: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K'] log decay; beta: [B,T,H];
+    initial_state: [B,H,K,V]. Returns o [B,T,H,V] and the final state."""
+    batch, length, heads, _ = q.shape
+    chunk_size = max(1, min(chunk_size, length))
+    padded = -(-length // chunk_size) * chunk_size
+    pad = padded - length
+
+    def prep(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((batch, padded // chunk_size, chunk_size) + x.shape[2:])
+        # -> [N, B, H, C, ...] so that the scan runs over chunks
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    chunks = tuple(prep(x.astype(F32)) for x in (q, k, v, g, beta))
+    final, out = jax.lax.scan(_delta_rule_chunk, initial_state.astype(F32), chunks)
+    out = jnp.moveaxis(out, 0, 1)  # [B, N, H, C, V]
+    out = jnp.moveaxis(out, 2, 3).reshape(batch, padded, heads, -1)[:, :length]
+    return out, final
+
+
+def delta_rule_step(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token, normalised fp32 inputs. q, k: [B,H,K]; v: [B,H,V]; g: [B,H,K']; beta: [B,H]; state [B,H,K,V]."""
+    state = jnp.exp(g)[..., None] * state
+    u = beta[..., None] * (v - _ein("bhk,bhkv->bhv", k, state))
+    state = state + k[..., :, None] * u[..., None, :]
+    return _ein("bhk,bhkv->bhv", q, state), state
+
+
+def _prepare_qk(q: jax.Array, k: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+    """L2-normalise, scale q by K^-1/2, and expand key heads to ``heads`` (repeat_interleave)."""
+    key_heads, key_dim = q.shape[-2:]
+    q = l2_normalize(q) * (key_dim**-0.5)
+    k = l2_normalize(k)
+    if heads != key_heads:
+        q = jnp.repeat(q, heads // key_heads, axis=-2)
+        k = jnp.repeat(k, heads // key_heads, axis=-2)
+    return q, k
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GDN
+
+
+def gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """GDN sequence form. q, k: [B,T,H_k,K] (raw, post-conv); v: [B,T,H_v,V]; g: [B,T,H_v] log decay (fp32);
+    beta: [B,T,H_v]; initial_state: [B,H_v,K,V] fp32. Value head j reads key head j // (H_v/H_k).
+    Returns o [B,T,H_v,V] in v's dtype and the final state [B,H_v,K,V] fp32."""
+    qn, kn = _prepare_qk(q, k, v.shape[2])
+    out, state = delta_rule_chunked(qn, kn, v, g[..., None], beta, initial_state, chunk_size)
+    return out.astype(v.dtype), state
+
+
+def gated_delta_rule_step(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """GDN one-token form: q, k [B,H_k,K]; v [B,H_v,V]; g, beta [B,H_v]; state [B,H_v,K,V]."""
+    qn, kn = _prepare_qk(q, k, v.shape[1])
+    out, state = delta_rule_step(qn, kn, v.astype(F32), g.astype(F32)[..., None], beta.astype(F32), state)
+    return out.astype(v.dtype), state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KDA
+
+
+def kda_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array,
+    chunk_size: int = 16,
+) -> tuple[jax.Array, jax.Array]:
+    """KDA sequence form. q, k, v: [B,T,H,D]; g: [B,T,H,D] per-channel log decay (fp32); beta: [B,T,H] fp32;
+    initial_state: [B,H,D,D] fp32. Returns o [B,T,H,D] in v's dtype and the final state.
+
+    The default chunk is small because the pairwise decay tensor is [C, C, D] per head."""
+    qn, kn = _prepare_qk(q, k, v.shape[2])
+    out, state = delta_rule_chunked(qn, kn, v, g, beta, initial_state, chunk_size)
+    return out.astype(v.dtype), state
+
+
+def kda_delta_rule_step(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """KDA one-token form: q, k, v, g [B,H,D]; beta [B,H]; state [B,H,D,D]."""
+    qn, kn = _prepare_qk(q, k, v.shape[1])
+    out, state = delta_rule_step(qn, kn, v.astype(F32), g.astype(F32), beta.astype(F32), state)
+    return out.astype(v.dtype), state
