@@ -1,0 +1,126 @@
+"""Parity checks of a loaded model against a directory in the goldens format (``shared/goldens/README.md``).
+
+A case directory holds an HF checkpoint (``config.json``, safetensors), ``placements.json`` and
+``golden.safetensors`` with ``input_ids`` [B, T], and per placement P: ``P.logits`` [B, T, V] (full forward) and
+``P.greedy_ids`` [B, N] (greedy continuation of the first ``prompt_len`` tokens; metadata ``prompt_len``).
+
+Three checks per placement:
+  forward  full forward of ``input_ids`` vs ``P.logits``;
+  decode   prefill of the first ``prompt_len`` tokens, then one-token steps over the rest, vs ``P.logits``;
+  greedy   greedy generation from the prompt vs ``P.greedy_ids``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from .checkpoint import load_model
+from .placement import load_placements, resolve_placement
+from .runner import ModelRunner
+from .safetensors_io import CheckpointError, read_header, read_tensor
+
+FLOAT32_TOLERANCE = 1e-3
+# bf16 rounds every activation to 8 bits of mantissa, so errors grow to a few percent of the logit scale;
+# greedy tokens may then differ where the reference's top-2 gap is tiny (about 0.01 in the goldens).
+BFLOAT16_RELATIVE_TOLERANCE = 0.05
+
+
+@dataclasses.dataclass
+class GoldenCase:
+    directory: str
+    input_ids: np.ndarray
+    prompt_len: int
+    logits: dict[str, np.ndarray]
+    greedy_ids: dict[str, np.ndarray]
+    placements: dict[str, object]
+
+
+def load_case(directory: str) -> GoldenCase:
+    path = os.path.join(directory, "golden.safetensors")
+    if not os.path.exists(path):
+        raise CheckpointError(f"no golden.safetensors in {directory}: not a goldens-format case directory")
+    infos, metadata = read_header(path)
+    if "input_ids" not in infos or "prompt_len" not in metadata:
+        raise CheckpointError(f"{path}: expected tensor 'input_ids' and metadata 'prompt_len'")
+    placements_path = os.path.join(directory, "placements.json")
+    placements = load_placements(placements_path) if os.path.exists(placements_path) else {"main": None}
+    logits, greedy = {}, {}
+    for name in placements:
+        for suffix, store in (("logits", logits), ("greedy_ids", greedy)):
+            key = f"{name}.{suffix}"
+            if key not in infos:
+                raise CheckpointError(f"{path}: placement {name!r} has no tensor {key!r}")
+            store[name] = np.array(read_tensor(infos[key]))
+    return GoldenCase(
+        directory=directory,
+        input_ids=np.array(read_tensor(infos["input_ids"])),
+        prompt_len=int(metadata["prompt_len"]),
+        logits=logits,
+        greedy_ids=greedy,
+        placements=placements,
+    )
+
+
+@dataclasses.dataclass
+class CheckResult:
+    placement: str
+    check: str
+    error: float  # max abs logit error (forward/decode) or number of differing tokens (greedy)
+    passed: bool
+    detail: str = ""
+
+
+def run_checks(
+    directory: str, placement: str | None = None, dtype: str = "float32", checks=("forward", "decode", "greedy")
+) -> list[CheckResult]:
+    case = load_case(directory)
+    names = list(case.placements)
+    if placement is not None:
+        if placement not in case.placements:
+            raise ValueError(f"placement {placement!r} is not in {directory}/placements.json; known: {names}")
+        names = [placement]
+    runner = ModelRunner(load_model(directory, dtype))
+    results = []
+    for name in names:
+        resolved = resolve_placement(runner.config, name, case.placements)
+        ref = case.logits[name]
+        scale = float(np.abs(ref).max())
+        tolerance = FLOAT32_TOLERANCE if dtype == "float32" else BFLOAT16_RELATIVE_TOLERANCE * scale
+
+        def logit_result(check: str, ours: np.ndarray, expected: np.ndarray) -> CheckResult:
+            error = float(np.abs(np.asarray(ours, np.float32) - expected).max())
+            return CheckResult(name, check, error, error <= tolerance, f"tol {tolerance:.2g}")
+
+        if "forward" in checks:
+            results.append(logit_result("forward", runner.forward(case.input_ids, resolved), ref))
+        if "decode" in checks:
+            batch, total = case.input_ids.shape
+            p = case.prompt_len
+            cache = runner.init_cache(batch, total, resolved)
+            logits, cache = runner.extend(case.input_ids[:, :p], 0, cache, resolved)
+            pieces = [np.asarray(logits, np.float32)]
+            for t in range(p, total):
+                logits, cache = runner.extend(case.input_ids[:, t : t + 1], t, cache, resolved)
+                pieces.append(np.asarray(logits, np.float32))
+            results.append(logit_result("decode", np.concatenate(pieces, axis=1), ref))
+        if "greedy" in checks:
+            expected = case.greedy_ids[name]
+            ours = runner.greedy(case.input_ids[:, : case.prompt_len], expected.shape[1], resolved)
+            differ = int((ours != expected).sum())
+            # In bf16 a differing greedy token is reported, not failed: see BFLOAT16_RELATIVE_TOLERANCE.
+            passed = differ == 0 or dtype != "float32"
+            detail = "all tokens equal" if differ == 0 else f"first difference at step {int(np.argmax((ours != expected).any(0)))}"
+            results.append(CheckResult(name, "greedy", float(differ), passed, detail))
+    return results
+
+
+def format_table(results: list[CheckResult]) -> str:
+    rows = [("placement", "check", "max abs error / tokens differing", "result", "")]
+    for r in results:
+        value = f"{int(r.error)}" if r.check == "greedy" else f"{r.error:.3e}"
+        rows.append((r.placement, r.check, value, "ok" if r.passed else "FAIL", r.detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
