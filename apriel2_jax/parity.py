@@ -83,6 +83,10 @@ def run_checks(
             raise ValueError(f"placement {placement!r} is not in {directory}/placements.json; known: {names}")
         names = [placement]
     runner = ModelRunner(load_model(directory, dtype))
+    batch, total = case.input_ids.shape
+    p = case.prompt_len
+    # One cache size for the decode and greedy checks, so both reuse the same compiled prefill and step.
+    cache_len = max(total, p + max(g.shape[1] for g in case.greedy_ids.values()))
     results = []
     for name in names:
         resolved = resolve_placement(runner.config, name, case.placements)
@@ -97,9 +101,7 @@ def run_checks(
         if "forward" in checks:
             results.append(logit_result("forward", runner.forward(case.input_ids, resolved), ref))
         if "decode" in checks:
-            batch, total = case.input_ids.shape
-            p = case.prompt_len
-            cache = runner.init_cache(batch, total, resolved)
+            cache = runner.init_cache(batch, cache_len, resolved)
             logits, cache = runner.extend(case.input_ids[:, :p], 0, cache, resolved)
             pieces = [np.asarray(logits, np.float32)]
             for t in range(p, total):
@@ -108,7 +110,7 @@ def run_checks(
             results.append(logit_result("decode", np.concatenate(pieces, axis=1), ref))
         if "greedy" in checks:
             expected = case.greedy_ids[name]
-            ours = runner.greedy(case.input_ids[:, : case.prompt_len], expected.shape[1], resolved)
+            ours = runner.greedy(case.input_ids[:, :p], expected.shape[1], resolved, cache_len)
             differ = int((ours != expected).sum())
             # In bf16 a differing greedy token is reported, not failed: see BFLOAT16_RELATIVE_TOLERANCE.
             passed = differ == 0 or dtype != "float32"

@@ -46,11 +46,12 @@ class ModelRunner:
         positions = jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
         return self._step(self.params, ids, positions, cache, placement=placement)
 
-    def greedy(self, prompt_ids, new_tokens: int, placement: Placement) -> np.ndarray:
-        """Greedy continuation (no EOS stop): prefill the prompt, then one decode step per token."""
+    def greedy(self, prompt_ids, new_tokens: int, placement: Placement, max_len: int | None = None) -> np.ndarray:
+        """Greedy continuation (no EOS stop): prefill the prompt, then one decode step per token.
+        ``max_len`` sizes the cache (default prompt + new tokens); equal sizes reuse compiled steps."""
         prompt = jnp.asarray(prompt_ids)
         batch, length = prompt.shape
-        cache = self.init_cache(batch, length + new_tokens, placement)
+        cache = self.init_cache(batch, max(max_len or 0, length + new_tokens), placement)
         logits, cache = self.extend(prompt, 0, cache, placement)
         tokens = []
         token = jnp.argmax(logits[:, -1], axis=-1)

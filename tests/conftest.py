@@ -1,0 +1,22 @@
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDENS = os.environ.get("APRIEL2_GOLDENS", os.path.join(REPO, "..", "shared", "goldens"))
+
+
+def golden_cases() -> list[str]:
+    """Every goldens-format case directory. Missing goldens are an error, never a silent skip."""
+    if not os.path.isdir(GOLDENS):
+        raise RuntimeError(f"golden fixtures not found at {GOLDENS}; set APRIEL2_GOLDENS")
+    cases = sorted(d for d in os.listdir(GOLDENS) if os.path.exists(os.path.join(GOLDENS, d, "golden.safetensors")))
+    if not cases:
+        raise RuntimeError(f"no golden cases under {GOLDENS}")
+    return cases
+
+
+@pytest.fixture(scope="session")
+def goldens_dir() -> str:
+    golden_cases()
+    return GOLDENS

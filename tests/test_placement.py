@@ -1,0 +1,39 @@
+import pytest
+
+from apriel2_jax.config import parse_config
+from apriel2_jax.placement import PlacementError, resolve_placement
+from tests.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def config():
+    return parse_config(tiny_config())
+
+
+def test_default_is_main_mixer(config):
+    assert resolve_placement(config) == (None, None, None, None, None, "attention")
+
+
+def test_list_mapping_named_and_aliases(config):
+    assert resolve_placement(config, [None, "gdn", None, "attention", None, "gdn"])[-1] == "gdn"
+    assert resolve_placement(config, {"5": "attn"})[-1] == "attention"
+    named = {"fast": {"5": "gdn"}}
+    assert resolve_placement(config, "fast", named)[-1] == "gdn"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ([None] * 5, "lists 5 mixers, but the model has 6"),
+        ([None] * 5 + ["kda"], "layer 5: unknown mixer 'kda'"),
+        ([None] * 6, "no mixer for stochastic layer 5"),
+        (["gdn"] + [None] * 4 + ["gdn"], "layer 0 is a fixed attention layer"),
+        ({"0": "attention"}, "does not name a mixer for stochastic layer 5"),
+        ({"9": "gdn"}, "model has 6 layers"),
+        ({"x": "gdn"}, "not a layer index"),
+        ("nope", "unknown placement 'nope'"),
+    ],
+)
+def test_bad_placements(config, spec, message):
+    with pytest.raises(PlacementError, match=message):
+        resolve_placement(config, spec, {"main": {"5": "attention"}})
