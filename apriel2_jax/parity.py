@@ -23,9 +23,13 @@ from .runner import ModelRunner
 from .safetensors_io import CheckpointError, read_header, read_tensor
 
 FLOAT32_TOLERANCE = 1e-3
-# bf16 rounds every activation to 8 bits of mantissa, so errors grow to a few percent of the logit scale;
-# greedy tokens may then differ where the reference's top-2 gap is tiny (about 0.01 in the goldens).
-BFLOAT16_RELATIVE_TOLERANCE = 0.05
+# The goldens are fp32 with weights scaled so that every parameter matters. Rounding those weights to bf16 alone
+# (fp32 compute) moves the logits by up to 8% of their scale (measured 2026-11-22: 0.08-3.4 on scales 10-45), and
+# bf16 activations add as much again: the worst bf16 error was 9% of scale on CPU and 19% on an H200 (KDA
+# placement of hybrid_all_mixers, 2.14 on scale 11). A bf16 run can therefore only be checked for gross errors
+# (a wrong dtype path gives garbage); greedy tokens may differ where the top-2 gap is about 0.01, and are
+# reported, not failed. Tight bf16 parity needs bf16 goldens from the reference.
+BFLOAT16_RELATIVE_TOLERANCE = 0.25
 
 
 @dataclasses.dataclass
