@@ -152,6 +152,11 @@ class AttentionConfig:
     def is_sliding(self) -> bool:
         return self.window_size is not None
 
+    @property
+    def cache_family(self) -> str:
+        """Layers that allocate K/V pages identically share a page pool: full attention, or one per window."""
+        return "full" if self.window_size is None else f"window_{self.window_size}"
+
 
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import jax
 
-from .ops import attention, conv, delta_rule, mamba
+from .ops import attention, conv, delta_rule, mamba, paged_attention
 
 _REFERENCE: dict[str, Callable] = {
     "attention": attention.attention,
@@ -24,6 +24,7 @@ _REFERENCE: dict[str, Callable] = {
     "kda_delta_rule_step": delta_rule.kda_delta_rule_step,
     "selective_scan": mamba.selective_scan,
     "selective_scan_step": mamba.selective_scan_step,
+    "paged_attention": paged_attention.paged_attention,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}
 

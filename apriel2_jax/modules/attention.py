@@ -8,6 +8,7 @@ from flax import nnx
 
 from ..config import AttentionConfig
 from ..dispatch import op
+from ..ops.paged_attention import page_slots, write_pages
 from ..ops.rope import apply_rope, rope_cos_sin
 from .layers import Linear
 
@@ -26,14 +27,34 @@ class Attention(nnx.Module):
         shape = (batch, max_len, self.cfg.head_groups, self.cfg.head_size)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+    def init_pages(self, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
+        shape = (num_pages, page_size, self.cfg.head_groups, self.cfg.head_size)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
         cfg = self.cfg
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, cfg.heads, cfg.head_size)
         k = self.k_proj(x).reshape(batch, length, cfg.head_groups, cfg.head_size)
         v = self.v_proj(x).reshape(batch, length, cfg.head_groups, cfg.head_size)
         cos, sin = rope_cos_sin(positions, cfg.head_size, cfg.rotary.theta, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def paged(self, x: jax.Array, batch, pages: dict[str, jax.Array]):
+        """Engine path: write the new K/V into this family's pages, then attend through the block tables."""
+        cfg = self.cfg
+        rows, length, _ = x.shape
+        q, k, v = self._qkv(x, batch.positions)
+        table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
+        slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
+        pages = {"k": write_pages(pages["k"], k, slots), "v": write_pages(pages["v"], v, slots)}
+        out = op("paged_attention")(q, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size)
+        return self.o_proj(out.reshape(rows, length, cfg.heads * cfg.head_size)), pages
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        q, k, v = self._qkv(x, positions)
         if state is None:
             out = op("attention")(q, k, v, positions, positions, None, cfg.window_size)
         else:

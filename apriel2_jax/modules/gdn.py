@@ -33,7 +33,8 @@ class GatedDeltaNet(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
         }
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
         cfg = self.cfg
         batch, length, _ = x.shape
         key_size = cfg.key_heads * cfg.key_head_dim
@@ -41,12 +42,16 @@ class GatedDeltaNet(nnx.Module):
         qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
         ba = self.in_proj_ba(x)
         b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
-        mixed, conv_state = conv_forward(self.convolution, qkv, None if state is None else state["conv"], op)
+        lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
+        mixed, conv_state = conv_forward(self.convolution, qkv, None if state is None else state["conv"], op, lengths)
         q = mixed[..., :key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
         k = mixed[..., key_size : 2 * key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
         v = mixed[..., 2 * key_size :].reshape(batch, length, cfg.value_heads, cfg.value_head_dim)
         beta = jax.nn.sigmoid(b)  # model dtype, as the reference
         g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
+        if token_mask is not None:  # g = 0, beta = 0: an identity update
+            g = jnp.where(token_mask[..., None], g, 0.0)
+            beta = jnp.where(token_mask[..., None], beta, jnp.zeros_like(beta))
         if state is None:
             ssm = jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32)
         else:

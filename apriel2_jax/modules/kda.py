@@ -43,17 +43,22 @@ class KimiDeltaAttention(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32),
         }
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """token_mask: [B, T], False for right-padding tokens, which leave all states untouched."""
         cfg = self.cfg
         batch, length, _ = x.shape
         shape = (batch, length, cfg.heads, cfg.head_dim)
         get = (lambda key: None) if state is None else state.get
-        q, conv_q = conv_forward(self.q_conv, self.q_proj(x), get("conv_q"), op)
-        k, conv_k = conv_forward(self.k_conv, self.k_proj(x), get("conv_k"), op)
-        v, conv_v = conv_forward(self.v_conv, self.v_proj(x), get("conv_v"), op)
+        lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
+        q, conv_q = conv_forward(self.q_conv, self.q_proj(x), get("conv_q"), op, lengths)
+        k, conv_k = conv_forward(self.k_conv, self.k_proj(x), get("conv_k"), op, lengths)
+        v, conv_v = conv_forward(self.v_conv, self.v_proj(x), get("conv_v"), op, lengths)
         q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(shape), self.A_log[...], self.dt_bias[...])
         beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        if token_mask is not None:  # g = 0, beta = 0: an identity update
+            g = jnp.where(token_mask[..., None, None], g, 0.0)
+            beta = jnp.where(token_mask[..., None], beta, 0.0)
         ssm = get("ssm")
         if ssm is None:
             ssm = jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32)

@@ -82,9 +82,12 @@ def make_norm(kind: str, size: int, eps: float, *, dtype) -> RMSNorm | LayerNorm
     return LayerNorm(size, eps, dtype=dtype) if kind == "layer_norm" else RMSNorm(size, eps, dtype=dtype)
 
 
-def conv_forward(conv: DepthwiseConv, x: jax.Array, state: jax.Array | None, op) -> tuple[jax.Array, jax.Array]:
-    """Run a conv through the dispatch point: one-token form when decoding from a state, else the sequence form."""
+def conv_forward(
+    conv: DepthwiseConv, x: jax.Array, state: jax.Array | None, op, lengths: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Run a conv through the dispatch point: one-token form when decoding from a state, else the sequence form.
+    ``lengths`` (valid tokens per row) only matters for padded multi-token rows."""
     if state is not None and x.shape[1] == 1:
         y, state = op("causal_conv1d_step")(x[:, 0], conv.taps, conv.bias_or_none, state)
         return y[:, None], state
-    return op("causal_conv1d")(x, conv.taps, conv.bias_or_none, state)
+    return op("causal_conv1d")(x, conv.taps, conv.bias_or_none, state, lengths=lengths)

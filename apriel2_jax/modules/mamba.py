@@ -44,7 +44,8 @@ class Mamba(nnx.Module):
         x = x.reshape(batch, length, groups, self.cfg.state_size)
         return jnp.repeat(x, rep, axis=2).reshape(batch, length, self.cfg.d_inner)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None):
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
         cfg = self.cfg
         batch, length, _ = x.shape
         d_in, d_xb, n = cfg.d_inner, cfg.d_xb, cfg.state_size
@@ -55,10 +56,11 @@ class Mamba(nnx.Module):
         b = zxbc[..., d_in + d_xb : d_in + 2 * d_xb].reshape(batch, length, groups, n)
         c = zxbc[..., d_in + 2 * d_xb :].reshape(batch, length, d_in // n, n)
         conv_state = None if state is None else state["conv"]
+        lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
         if cfg.repeat_kv_before_conv:
-            u, conv_state = conv_forward(self.conv1d, self._repeat_groups(xs), conv_state, op)
+            u, conv_state = conv_forward(self.conv1d, self._repeat_groups(xs), conv_state, op, lengths)
         else:
-            u, conv_state = conv_forward(self.conv1d, xs, conv_state, op)
+            u, conv_state = conv_forward(self.conv1d, xs, conv_state, op, lengths)
             u = self._repeat_groups(u)
         delta = self.dt_proj(self.dt_in_proj(x))
         # QUIRK (spec §2.8): ``delta`` already contains dt_proj.bias and the scan adds it again, as the reference
@@ -72,5 +74,5 @@ class Mamba(nnx.Module):
             )
             y = y[:, None]
         else:
-            y, ssm = op("selective_scan")(u, delta, *args, b, c, self.D[...], z, dt_bias, ssm)
+            y, ssm = op("selective_scan")(u, delta, *args, b, c, self.D[...], z, dt_bias, ssm, mask=token_mask)
         return self.out_proj(y), {"conv": conv_state, "ssm": ssm}

@@ -14,9 +14,11 @@ from flax import nnx
 
 from ..config import Apriel2Config, BlockConfig
 from ..placement import Placement
+from .attention import Attention
 from .layers import Linear, make_norm
 from .mixers import active, build_mixer
 from .mlp import MLP
+from .paged import PagedBatch, gather_rows, scatter_rows
 
 Cache = tuple[dict[str, jax.Array], ...]
 
@@ -31,9 +33,23 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, mixer_name: str | None, state: dict | None):
         mixed, state = active(self.mixer, mixer_name)(self.input_layernorm(x), positions, state)
+        return self._finish(x, mixed), state
+
+    def paged(self, x: jax.Array, batch: PagedBatch, mixer_name: str | None, cache: dict):
+        """Engine path: ``cache`` is this layer's page pool (attention) or state-slot pool (recurrent)."""
+        mixer = active(self.mixer, mixer_name)
+        h = self.input_layernorm(x)
+        if isinstance(mixer, Attention):
+            mixed, cache = mixer.paged(h, batch, cache)
+        else:
+            rows = gather_rows(cache, batch.slots, batch.fresh)
+            mixed, rows = mixer(h, batch.positions, rows, token_mask=batch.token_mask)
+            cache = scatter_rows(cache, batch.slots, rows)
+        return self._finish(x, mixed), cache
+
+    def _finish(self, x: jax.Array, mixed: jax.Array) -> jax.Array:
         x = x + mixed
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, state
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Decoder(nnx.Module):
@@ -72,6 +88,34 @@ class Apriel2ForCausalLM(nnx.Module):
             for block, name in zip(self.model.decoder.blocks, placement)
         )
 
+    def init_paged_cache(self, placement: Placement, pages: dict[str, int], page_size: int, slots: int) -> Cache:
+        """Engine caches: per attention layer its family's pages, per recurrent layer ``slots`` state rows."""
+        caches = []
+        for block, name in zip(self.model.decoder.blocks, placement):
+            mixer = active(block.mixer, name)
+            if isinstance(mixer, Attention):
+                caches.append(mixer.init_pages(pages[mixer.cfg.cache_family], page_size, self.dtype))
+            else:
+                caches.append(mixer.init_state(slots, 0, self.dtype))
+        return tuple(caches)
+
+    def forward_paged(
+        self, tokens: jax.Array, batch: PagedBatch, cache: Cache, placement: Placement
+    ) -> tuple[jax.Array, Cache]:
+        """tokens: [S, T]. Returns the logits of each row's last valid token, [S, V], and the updated caches."""
+        x = self.model.embed_tokens(tokens)
+        new_cache = []
+        for i, block in enumerate(self.model.decoder.blocks):
+            x, layer_cache = block.paged(x, batch, placement[i], cache[i])
+            new_cache.append(layer_cache)
+        last = jnp.take_along_axis(x, batch.last_index[:, None, None], axis=1)[:, 0]
+        return self._logits(self.model.norm(last)), tuple(new_cache)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        return jnp.einsum("...d,vd->...v", x, self.model.embed_tokens.weight[...])
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -89,9 +133,5 @@ class Apriel2ForCausalLM(nnx.Module):
         for i, block in enumerate(self.model.decoder.blocks):
             x, state = block(x, positions, placement[i], None if cache is None else cache[i])
             new_cache.append(state)
-        x = self.model.norm(x)
-        if self.lm_head is not None:
-            logits = self.lm_head(x)
-        else:
-            logits = jnp.einsum("btd,vd->btv", x, self.model.embed_tokens.weight[...])
+        logits = self._logits(self.model.norm(x))
         return logits, (None if cache is None else tuple(new_cache))

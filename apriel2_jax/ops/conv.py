@@ -14,11 +14,14 @@ def causal_conv1d(
     bias: jax.Array | None,
     state: jax.Array | None,
     activation: str | None = "silu",
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sequence form.
 
     x: [B, T, C] pre-conv inputs; weight: [C, K] (tap K-1 multiplies the current token); bias: [C] or None;
     state: [B, K-1, C], the K-1 inputs before x (zeros when None).
+    lengths: [B] number of valid tokens per row (right padding); the new state then holds the K-1 inputs
+    before each row's end, so padded tokens never enter it. None: all T tokens are valid.
     Returns y [B, T, C] in x's dtype (fp32 accumulation) and the new state, the last K-1 inputs, [B, K-1, C].
     """
     batch, length, channels = x.shape
@@ -34,7 +37,10 @@ def causal_conv1d(
         acc = acc + bias.astype(F32)
     if activation is not None:
         acc = _activation(activation, acc)
-    return acc.astype(x.dtype), window[:, length:]
+    if lengths is None:
+        return acc.astype(x.dtype), window[:, length:]
+    take = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, kernel - 1, axis=0))
+    return acc.astype(x.dtype), take(window, lengths.astype(jnp.int32))
 
 
 def causal_conv1d_step(

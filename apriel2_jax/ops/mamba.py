@@ -54,15 +54,19 @@ def selective_scan(
     dt_bias: jax.Array | None,
     initial_state: jax.Array,
     chunk_size: int = 32,
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sequence form. u, delta, z: [B,T,Din]; A_log: [Din,N]; B: [B,T,n_groups,N]; C: [B,T,n_heads,N];
-    D: [Din]; dt_bias: [Din] or None; initial_state: [B,Din,N] fp32.
+    D: [Din]; dt_bias: [Din] or None; initial_state: [B,Din,N] fp32; mask: [B,T] bool, False for padding
+    tokens, which then leave the state untouched (dt = 0).
     Returns y [B,T,Din] in u's dtype and the final state."""
     batch, length, channels = u.shape
     dt = delta.astype(F32)
     if dt_bias is not None:
         dt = dt + dt_bias.astype(F32)
     dt = softplus(dt)
+    if mask is not None:
+        dt = jnp.where(mask[..., None], dt, 0.0)
     A = -jnp.exp(A_log.astype(F32))
     chunk_size = max(1, min(chunk_size, length))
     padded = -(-length // chunk_size) * chunk_size

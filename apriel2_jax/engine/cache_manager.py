@@ -1,0 +1,161 @@
+"""Per-request cache bookkeeping over the pools: block tables per family, one state slot. Plain Python + numpy.
+
+Window families keep only the pages a request can still see: before each allocation, pages that lie wholly
+before ``computed - window + 1`` (the oldest position the next chunk's queries attend to) are released, so a
+window request holds at most ``window_table_width`` pages however long it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .cache_layout import SINK, CacheLayout, CachePlan
+from .pools import PagePool, PoolError, SlotPool
+
+
+@dataclasses.dataclass
+class RequestBlocks:
+    tables: dict[str, list[int]]  # family -> page ids, by logical page index starting at first_page
+    first_page: dict[str, int]
+    slot: int = SINK
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTables:
+    """Everything the jitted step reads from the manager, for all layers at once."""
+
+    tables: dict[str, np.ndarray]  # family -> [rows, width] int32
+    first_page: dict[str, np.ndarray]  # family -> [rows] int32
+    slots: np.ndarray  # [rows] int32
+
+
+class CacheManager:
+    def __init__(self, layout: CacheLayout, plan: CachePlan):
+        self.layout = layout
+        self.plan = plan
+        self.page_size = plan.page_size
+        self.pools = {fam.key: PagePool(fam.key, plan.pages[fam.key]) for fam in layout.attention}
+        self.windows = {fam.key: fam.window for fam in layout.attention}
+        self.slots = SlotPool(plan.slots) if layout.state else None
+        self._requests: dict[Hashable, RequestBlocks] = {}
+        self.metadata_builds = 0  # one per step, never one per layer (see tests/engine)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _visible_from(self, family: str, computed: int) -> int:
+        """First logical page the next chunk (starting at position ``computed``) can attend to."""
+        window = self.windows[family]
+        if window is None:
+            return 0
+        return max(0, computed - window + 1) // self.page_size
+
+    def try_allocate(self, request_id: Hashable, computed: int, new_tokens: int) -> bool:
+        """Make room for positions [computed, computed + new_tokens). All or nothing across families: returns
+        False (and allocates nothing) when a pool is short, so the caller can preempt and retry."""
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            blocks = RequestBlocks({f: [] for f in self.pools}, {f: 0 for f in self.pools})
+            self._requests[request_id] = blocks
+        for family, pool in self.pools.items():
+            first = self._visible_from(family, computed)
+            drop = min(first - blocks.first_page[family], len(blocks.tables[family]))
+            if drop > 0:
+                table = blocks.tables[family]
+                pool.release(table[:drop])
+                del table[:drop]
+                blocks.first_page[family] += drop
+        end_page = math.ceil((computed + new_tokens) / self.page_size)
+        needed = {
+            family: max(0, end_page - blocks.first_page[family] - len(blocks.tables[family])) for family in self.pools
+        }
+        if any(needed[f] > self.pools[f].num_free for f in self.pools):
+            return False
+        needs_slot = self.slots is not None and blocks.slot == SINK
+        if needs_slot and self.slots.num_free == 0:
+            return False
+        for family, count in needed.items():
+            if count:
+                blocks.tables[family].extend(self.pools[family].allocate(count))
+        if needs_slot:
+            blocks.slot = self.slots.acquire(request_id)
+        return True
+
+    def free(self, request_id: Hashable) -> None:
+        """Release every page and the slot of a request (finished, aborted or preempted)."""
+        blocks = self._requests.pop(request_id, None)
+        if blocks is None:
+            return
+        for family, table in blocks.tables.items():
+            self.pools[family].release(table)
+        if blocks.slot != SINK:
+            self.slots.release(blocks.slot, request_id)
+
+    def holds(self, request_id: Hashable) -> bool:
+        return request_id in self._requests
+
+    def blocks(self, request_id: Hashable) -> RequestBlocks:
+        return self._requests[request_id]
+
+    # ------------------------------------------------------------------------------------------------------------
+    def build_step_tables(self, request_ids: Sequence[Hashable | None], rows: int) -> StepTables:
+        """Block tables, first pages and slots for the rows of one step (None or missing rows are padding:
+        sink tables, sink slot). Built once per step and shared by every layer."""
+        self.metadata_builds += 1
+        tables = {f: np.zeros((rows, self.plan.table_width[f]), np.int32) for f in self.pools}
+        first = {f: np.zeros((rows,), np.int32) for f in self.pools}
+        slots = np.zeros((rows,), np.int32)
+        for row, request_id in enumerate(request_ids):
+            if request_id is None:
+                continue
+            blocks = self._requests[request_id]
+            for family, table in blocks.tables.items():
+                if len(table) > tables[family].shape[1]:
+                    raise PoolError(
+                        f"request {request_id!r} holds {len(table)} pages of {family}, more than the table width "
+                        f"{tables[family].shape[1]}"
+                    )
+                tables[family][row, : len(table)] = table
+                first[family][row] = blocks.first_page[family]
+            slots[row] = blocks.slot
+        return StepTables(tables, first, slots)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """family -> (in use, capacity), pages for attention families and slots for "state"."""
+        out = {f: (p.num_in_use, p.capacity) for f, p in self.pools.items()}
+        if self.slots is not None:
+            out["state"] = (self.slots.num_in_use, self.slots.capacity)
+        return out
+
+    def check_invariants(self) -> None:
+        """free + in use + sink == capacity per pool; refcounts equal the block tables' references; no slot
+        shared; every table id belongs to its own family's range."""
+        for family, pool in self.pools.items():
+            pool.check()
+            counts = np.zeros(pool.num_pages, np.int64)
+            for request_id, blocks in self._requests.items():
+                table = blocks.tables[family]
+                if any(not (0 < page < pool.num_pages) for page in table):
+                    raise PoolError(f"request {request_id!r}: {family} table holds an id outside the pool")
+                np.add.at(counts, table, 1)
+            for page in range(1, pool.num_pages):
+                if counts[page] != pool.refcount(page):
+                    raise PoolError(
+                        f"{family} page {page}: refcount {pool.refcount(page)}, referenced {counts[page]} times"
+                    )
+        if self.slots is not None:
+            self.slots.check()
+            seen: dict[int, Hashable] = {}
+            for request_id, blocks in self._requests.items():
+                if blocks.slot == SINK:
+                    continue
+                if blocks.slot in seen:
+                    raise PoolError(f"slot {blocks.slot} shared by {seen[blocks.slot]!r} and {request_id!r}")
+                if self.slots.owner(blocks.slot) != request_id:
+                    raise PoolError(f"slot {blocks.slot} is not owned by {request_id!r}")
+                seen[blocks.slot] = request_id
+            if len(seen) != self.slots.num_in_use:
+                raise PoolError("a state slot is in use but no request holds it")

@@ -1,0 +1,311 @@
+"""``LLM``: the Python API of the serving engine.
+
+    llm = LLM("path/to/checkpoint", dtype="bfloat16", max_num_seqs=32)
+    outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.7, max_new_tokens=64))
+    for event in llm.stream(prompts, params): ...
+
+One engine loop: the scheduler picks a step, the host builds its inputs once, the jitted step runs and samples,
+and the host appends tokens and checks stop conditions. Device caches are allocated once per placement from a
+memory budget and donated to every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from ..checkpoint import load_model
+from ..modules import Apriel2ForCausalLM
+from ..placement import PlacementSpec, load_placements, resolve_placement
+from .cache_layout import CacheConfigError, cache_layout, plan_cache
+from .cache_manager import CacheManager
+from .sampling import SamplingParams, StopChecker, request_seed
+from .scheduler import Request, Scheduler, SchedulerConfig
+from .step import Buckets, StepRunner, build_inputs
+
+DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logprobs: list[float] | None
+    num_preemptions: int
+    time_to_first_token: float
+    total_time: float
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    output: RequestOutput | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    preemptions: int = 0
+    peak_usage: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class LLM:
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike | None = None,
+        *,
+        model: Apriel2ForCausalLM | None = None,
+        dtype: str = "bfloat16",
+        placement: PlacementSpec = None,
+        placements: dict | None = None,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_chunk: int | None = None,
+        max_prefill_rows: int = 4,
+        page_size: int = 16,
+        cache_memory_fraction: float = 0.85,
+        cache_bytes: int | None = None,
+        num_state_slots: int | None = None,
+        seed: int = 0,
+        tokenizer=None,
+        debug_checks: bool = False,
+        warm_up: bool = True,
+        buckets: Buckets | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
+        if (checkpoint_dir is None) == (model is None):
+            raise ValueError("give either a checkpoint directory or a loaded model")
+        self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        if model is None:
+            model = load_model(self.checkpoint_dir, dtype)
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        # Named placements: given, or the checkpoint's placements.json.
+        self.named_placements = dict(placements or {})
+        if not placements and self.checkpoint_dir and os.path.exists(os.path.join(self.checkpoint_dir, "placements.json")):
+            self.named_placements = load_placements(self.checkpoint_dir)
+
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        max_chunk = max_chunk or max_num_batched_tokens
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_chunk", max_chunk),
+            ("max_prefill_rows", max_prefill_rows),
+            ("page_size", page_size),
+            ("max_model_len", self.max_model_len),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise CacheConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_chunk > max_num_batched_tokens:
+            raise CacheConfigError(
+                f"max_chunk={max_chunk} exceeds max_num_batched_tokens={max_num_batched_tokens}: one prefill step "
+                f"could never hold a whole chunk; lower max_chunk or raise max_num_batched_tokens"
+            )
+        if num_state_slots is not None and num_state_slots < max_num_seqs:
+            raise CacheConfigError(
+                f"max_num_seqs={max_num_seqs} exceeds num_state_slots={num_state_slots}: every running sequence "
+                f"needs its own recurrent-state slot; lower max_num_seqs or raise num_state_slots"
+            )
+        self.page_size = page_size
+        self.seed = seed
+        self.debug_checks = debug_checks
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows)
+        self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk)
+        self._warm_up = warm_up
+        self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)
+        self.runner = StepRunner(model)
+        self.stats = EngineStats()
+        self._request_counter = 0
+        self._cache = None
+        self.placement = None
+        self.set_placement(placement)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _budget_from_device(self, fraction: float) -> int:
+        if not 0.0 < fraction <= 1.0:
+            raise CacheConfigError(f"cache_memory_fraction must be in (0, 1], got {fraction!r}")
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            return DEFAULT_CPU_CACHE_BYTES  # CPU: no device memory figure; use a fixed budget
+        return max(0, int(limit * fraction) - int(stats.get("bytes_in_use", 0)))
+
+    def set_placement(self, placement: PlacementSpec = None) -> None:
+        """Run the supernet with another placement. Clears the caches (no request may be in flight); compiled
+        steps of placements used before are reused."""
+        resolved = resolve_placement(self.config, placement, self.named_placements)
+        if resolved == self.placement:
+            return
+        if self._cache is not None and self.scheduler.has_work:
+            raise RuntimeError("cannot switch placement while requests are in flight")
+        self._cache = None  # free the old arrays before allocating the new ones
+        dtype_bytes = np.dtype(self.model.dtype).itemsize
+        self.layout = cache_layout(self.config, resolved, dtype_bytes)
+        plan = plan_cache(
+            self.layout,
+            budget_bytes=self._cache_bytes,
+            page_size=self.page_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_chunk=self.scheduler_config.max_chunk,
+        )
+        self.plan = plan
+        self.cache_manager = CacheManager(self.layout, plan)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager)
+        self.placement = resolved
+        self.log(f"cache: {plan.summary(self.layout)}")
+        self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots))()
+        if self._warm_up:
+            self._cache = self.runner.warm_up(self._cache, self.buckets.shapes(), self.cache_manager, resolved, self.log)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def _make_requests(self, prompts, params) -> list[Request]:
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        requests = []
+        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            ids = self._encode(prompt)
+            if not ids:
+                raise ValueError(f"prompt {index} is empty")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens; the model context (max_model_len) is "
+                    f"{self.max_model_len}, which must leave room for at least one generated token"
+                )
+            request = Request(index, ids, p)
+            request.seed = request_seed(p, self._request_counter, self.seed)
+            request.checker = StopChecker(p, self.config.eos_token_ids)
+            self._request_counter += 1
+            requests.append(request)
+        return requests
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        outputs: dict[int, RequestOutput] = {}
+        for event in self.stream(prompts, params):
+            if event.finished:
+                outputs[event.index] = event.output
+        return [outputs[i] for i in sorted(outputs)]
+
+    def stream(self, prompts, params=None) -> Iterator[StreamEvent]:
+        """Yield each request's new tokens (and text) as they are produced, then a final event per request."""
+        requests = self._make_requests(prompts, params)
+        start = time.monotonic()
+        for request in requests:
+            request.timings["start"] = start
+            self.scheduler.add(request)
+        try:
+            while self.scheduler.has_work:
+                yield from self._step()
+        finally:
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.abort(request.request_id)
+
+    def abort(self, index: int) -> bool:
+        return self.scheduler.abort(index) is not None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _step(self) -> Iterator[StreamEvent]:
+        step = self.scheduler.schedule()
+        if step is None:
+            raise RuntimeError("the scheduler has waiting requests but can run nothing; this is a bug")
+        self.stats.preemptions += len(step.preempted)
+        if not step.rows:
+            return
+        shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
+        inputs = build_inputs(step, shape, self.cache_manager)
+        t0 = time.monotonic()
+        tokens, logprobs, self._cache = self.runner.run(self._cache, inputs, self.placement)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        elapsed = time.monotonic() - t0
+        self.stats.steps += 1
+        if step.kind == "decode":
+            self.stats.decode_tokens += step.num_tokens
+            self.stats.decode_seconds += elapsed
+        else:
+            self.stats.prefill_tokens += step.num_tokens
+            self.stats.prefill_seconds += elapsed
+        for family, (used, _) in self.cache_manager.usage().items():
+            self.stats.peak_usage[family] = max(self.stats.peak_usage.get(family, 0), used)
+        self.scheduler.complete(step)
+        now = time.monotonic()
+        for i, row in enumerate(step.rows):
+            if row.samples:
+                yield from self._append(row.request, int(tokens[i]), float(logprobs[i]), now)
+        if self.debug_checks:
+            self.scheduler.check_invariants()
+
+    def _append(self, request: Request, token: int, logprob: float, now: float) -> Iterator[StreamEvent]:
+        request.output_ids.append(token)
+        if request.params.logprobs:
+            request.logprobs.append(logprob)
+        request.timings.setdefault("first_token", now)
+        old_text = request.text
+        if self.tokenizer is not None:
+            request.text = self.tokenizer.decode(request.output_ids)
+        reason, cut = request.checker(request.output_ids, request.text if self.tokenizer is not None else None)
+        if reason is None and request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if cut is not None:
+            request.text = request.text[:cut]
+        new_text = request.text[len(old_text):] if request.text.startswith(old_text) else request.text
+        if reason is None:
+            yield StreamEvent(request.request_id, [token], new_text, False)
+            return
+        self.scheduler.finish(request, reason)
+        start = request.timings["start"]
+        output = RequestOutput(
+            index=request.request_id,
+            prompt_ids=request.prompt_ids,
+            token_ids=list(request.output_ids),
+            text=request.text if self.tokenizer is not None else None,
+            finish_reason=reason,
+            logprobs=list(request.logprobs) if request.params.logprobs else None,
+            num_preemptions=request.num_preemptions,
+            time_to_first_token=request.timings["first_token"] - start,
+            total_time=now - start,
+        )
+        yield StreamEvent(request.request_id, [token], new_text, True, output)

@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill, decode, preemption by recompute, and abort. Plain Python.
+
+Each step is either a *decode* step (every running request whose tokens are all cached except the last sampled
+one feeds that token: rows of length 1) or a *prefill* step (chunks of prompts, any chunk size, under a token
+budget). The two kinds alternate while both have work, so long prompts never starve decoding and decoding never
+blocks admission. A decode row costs one token slot; mixing it into a padded prefill step would cost a whole
+chunk, which is why the kinds are kept apart.
+
+A request is "done prefilling" once its cached length reaches ``num_tokens - 1``: the last token is either the
+last prompt token (fed in the final chunk, whose logits give the first sampled token) or a sampled token that
+decode feeds. Preemption (newest first) releases a request's pages and slot and sends it back to the front of
+the waiting queue with nothing cached; it then recomputes prompt + generated tokens in one prefill.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+from typing import Any, Hashable
+
+from .cache_manager import CacheManager
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: Hashable
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V and state are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0
+    num_preemptions: int = 0
+    seed: int = 0
+    text: str = ""
+    stop_search_from: int = 0
+    timings: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next sample."""
+        return self.num_tokens - self.num_computed
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    request: Request
+    start: int  # first position fed this step
+    length: int  # tokens fed this step
+    samples: bool  # the step ends this request's pending tokens: sample from its last logits
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+    kind: str  # "decode" or "prefill"
+    rows: tuple[ScheduledRow, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.length for r in self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget of a prefill step
+    max_chunk: int  # longest prefill chunk of one request in one step
+    max_prefill_rows: int  # requests in one prefill step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self._arrivals = itertools.count()
+        self._last_kind = "prefill"
+
+    # ------------------------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.arrival = next(self._arrivals)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.cache.free(request_id)
+                    request.status = RequestStatus.FINISHED
+                    request.finish_reason = "abort"
+                    return request
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        self.running.remove(request)
+        self.cache.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _preempt_newest(self) -> Request:
+        request = self.running.pop()
+        self.cache.free(request.request_id)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return request
+
+    def _allocate(self, request: Request, length: int, preempted: list[Request]) -> bool:
+        """Pages and slot for the next ``length`` tokens of a running request. When a pool is short, the newest
+        running request is preempted, until the allocation fits or the requester itself was the newest."""
+        while not self.cache.try_allocate(request.request_id, request.num_computed, length):
+            victim = self._preempt_newest()
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when there is nothing to run."""
+        has_decode = any(r.pending == 1 for r in self.running)
+        has_prefill = bool(self.waiting) or any(r.pending > 1 for r in self.running)
+        first_decode = has_decode and (not has_prefill or self._last_kind == "prefill")
+        preempted: list[Request] = []
+        for kind in ("decode", "prefill") if first_decode else ("prefill", "decode"):
+            rows = self._schedule_decode(preempted) if kind == "decode" else self._schedule_prefill(preempted)
+            if rows:
+                self._last_kind = kind
+                return ScheduledStep(kind, tuple(rows), tuple(preempted))
+        return ScheduledStep("idle", (), tuple(preempted)) if preempted else None
+
+    def _schedule_decode(self, preempted: list[Request]) -> list[ScheduledRow]:
+        rows = []
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING and request.pending == 1:
+                if self._allocate(request, 1, preempted):
+                    rows.append(ScheduledRow(request, request.num_computed, 1, True))
+        return [row for row in rows if row.request.status is RequestStatus.RUNNING]
+
+    def _schedule_prefill(self, preempted: list[Request]) -> list[ScheduledRow]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+
+        def take(request: Request) -> bool:
+            nonlocal budget
+            length = min(request.pending, cfg.max_chunk, budget)
+            if length <= 0:
+                return False
+            if not self._allocate(request, length, preempted):
+                return False
+            budget -= length
+            rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
+            return True
+
+        for request in list(self.running):
+            if len(rows) >= cfg.max_prefill_rows or budget <= 0:
+                break
+            if request.status is RequestStatus.RUNNING and request.pending > 1:
+                take(request)
+        while self.waiting and len(rows) < cfg.max_prefill_rows and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            request = self.waiting[0]
+            length = min(request.pending, cfg.max_chunk, budget)
+            if not self.cache.try_allocate(request.request_id, 0, length):
+                self.cache.free(request.request_id)  # nothing to preempt for a newcomer: wait for pages
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= length
+            rows.append(ScheduledRow(request, 0, length, length == request.pending))
+        return [row for row in rows if row.request.status is RequestStatus.RUNNING]
+
+    def complete(self, step: ScheduledStep) -> None:
+        """Record that the step ran: the fed tokens are now cached."""
+        for row in step.rows:
+            row.request.num_computed = row.start + row.length
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running requests > max_num_seqs {self.config.max_num_seqs}")
+        for request in self.running:
+            if not self.cache.holds(request.request_id) and request.num_computed > 0:
+                raise AssertionError(f"running request {request.request_id!r} has cached tokens but no blocks")
+        for request in self.waiting:
+            if self.cache.holds(request.request_id) or request.num_computed != 0:
+                raise AssertionError(f"waiting request {request.request_id!r} holds cache")
