@@ -152,11 +152,11 @@ def plan_cache(
         )
     if full is not None:
         page_bytes = page_size * full.token_bytes
-        count = (budget_bytes - used) // page_bytes
+        count = (budget_bytes - used) // page_bytes - 1  # usable pages; the sink takes one more
         if count < full_width:
-            need = used + full_width * page_bytes
+            need = used + (full_width + 1) * page_bytes
             raise CacheConfigError(
-                f"the cache budget of {budget_bytes / 2**20:.1f} MiB leaves room for {count * page_size} tokens of "
+                f"the cache budget of {budget_bytes / 2**20:.1f} MiB leaves room for {max(count, 0) * page_size} tokens of "
                 f"full attention, less than one sequence of max_model_len={max_model_len} ({need / 2**20:.1f} MiB "
                 f"needed): lower max_model_len or max_num_seqs, or raise the memory budget"
             )
