@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from ..checkpoint import load_model
 from ..modules import Apriel2ForCausalLM
@@ -40,7 +41,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     logprobs: list[float] | None
-    num_preemptions: int
+    preemptions: list  # (cached tokens, generated tokens) when each preemption hit this request
     time_to_first_token: float
     total_time: float
 
@@ -96,8 +97,11 @@ class LLM:
         debug_checks: bool = False,
         warm_up: bool = True,
         buckets: Buckets | None = None,
+        step_runner: StepRunner | None = None,
         log: Callable[[str], None] | None = None,
     ):
+        """``step_runner``: share compiled steps with another engine over the same model (e.g. to compare
+        scheduler settings without recompiling)."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -141,7 +145,9 @@ class LLM:
         self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk)
         self._warm_up = warm_up
         self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)
-        self.runner = StepRunner(model)
+        if step_runner is not None and step_runner.graphdef != nnx.graphdef(model):
+            raise ValueError("step_runner was built for a different model")
+        self.runner = step_runner if step_runner is not None else StepRunner(model)
         self.stats = EngineStats()
         self._request_counter = 0
         self._cache = None
@@ -278,12 +284,28 @@ class LLM:
         if self.debug_checks:
             self.scheduler.check_invariants()
 
+    @staticmethod
+    def _unsent_text(request: Request, finished: bool) -> str:
+        """The text a stream may show now: never a trailing U+FFFD (half of a multi-byte character) nor what
+        could be the start of a stop string, so streamed pieces concatenate to the final text."""
+        text = request.text
+        end = len(text)
+        if not finished:
+            while end > request.streamed_chars and text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(stop) for stop in request.params.stop), default=1) - 1
+            end -= hold
+        if end <= request.streamed_chars:
+            return ""
+        piece = text[request.streamed_chars : end]
+        request.streamed_chars = end
+        return piece
+
     def _append(self, request: Request, token: int, logprob: float, now: float) -> Iterator[StreamEvent]:
         request.output_ids.append(token)
         if request.params.logprobs:
             request.logprobs.append(logprob)
         request.timings.setdefault("first_token", now)
-        old_text = request.text
         if self.tokenizer is not None:
             request.text = self.tokenizer.decode(request.output_ids)
         reason, cut = request.checker(request.output_ids, request.text if self.tokenizer is not None else None)
@@ -291,7 +313,7 @@ class LLM:
             reason = "length"
         if cut is not None:
             request.text = request.text[:cut]
-        new_text = request.text[len(old_text):] if request.text.startswith(old_text) else request.text
+        new_text = self._unsent_text(request, finished=reason is not None)
         if reason is None:
             yield StreamEvent(request.request_id, [token], new_text, False)
             return
@@ -304,7 +326,7 @@ class LLM:
             text=request.text if self.tokenizer is not None else None,
             finish_reason=reason,
             logprobs=list(request.logprobs) if request.params.logprobs else None,
-            num_preemptions=request.num_preemptions,
+            preemptions=list(request.preemptions),
             time_to_first_token=request.timings["first_token"] - start,
             total_time=now - start,
         )

@@ -40,10 +40,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     arrival: int = 0
-    num_preemptions: int = 0
+    preemptions: list = dataclasses.field(default_factory=list)  # (cached tokens, generated tokens) at each
     seed: int = 0
     text: str = ""
-    stop_search_from: int = 0
+    streamed_chars: int = 0  # characters of ``text`` already streamed
     timings: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -53,6 +53,10 @@ class Request:
     def token(self, position: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preemptions)
 
     @property
     def pending(self) -> int:
@@ -127,8 +131,8 @@ class Scheduler:
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
         self.cache.free(request.request_id)
+        request.preemptions.append((request.num_computed, len(request.output_ids)))
         request.num_computed = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         return request

@@ -1,0 +1,208 @@
+"""Tests for the ``apriel2-generate`` command line (apriel2_jax/cli/generate.py).
+
+Engine runs are kept few and small (compilation dominates on CPU): one subprocess run of the installed console
+script against a golden case, and two in-process runs with a tokenizer trained in the test. Error cases stop
+before any compilation.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+from apriel2_jax.cli.generate import _print_output, main, read_prompts_file, UsageError
+from apriel2_jax.engine.llm import RequestOutput
+from apriel2_jax.engine.tokenizer import Tokenizer
+from apriel2_jax.safetensors_io import read_header, read_tensor
+from tests.conftest import GOLDENS
+from tests.engine.test_tokenizer import write_tiny_tokenizer
+
+CASE = os.path.join(GOLDENS, "supernet_swa")
+# Small engine: few, small buckets to compile.
+ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-chunk", "16", "--max-prefill-rows", "2",
+          "--page-size", "4", "--dtype", "float32", "--no-warm-up"]
+
+
+def _console_script() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "apriel2-generate")
+    if os.path.exists(script):
+        return [script]
+    found = shutil.which("apriel2-generate")
+    return [found] if found else [sys.executable, "-m", "apriel2_jax.cli.generate"]
+
+
+def test_golden_greedy_through_console_script():
+    infos, metadata = read_header(os.path.join(CASE, "golden.safetensors"))
+    prompt_len = int(metadata["prompt_len"])
+    prompts = read_tensor(infos["input_ids"])[:, :prompt_len]
+    expected = read_tensor(infos["main.greedy_ids"]).tolist()
+    argv = [*_console_script(), CASE, "--placement", "main", "--max-new-tokens", "8", "--ignore-eos", "--json", *ENGINE]
+    for row in prompts:
+        argv += ["--prompt-ids", ",".join(str(int(t)) for t in row)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(proc.stdout)  # stdout holds the JSON document and nothing else
+    assert [r["index"] for r in records] == [0, 1]
+    assert [r["prompt_ids"] for r in records] == prompts.tolist()
+    assert [r["token_ids"] for r in records] == expected
+    assert all(r["finish_reason"] == "length" and r["text"] is None and r["logprobs"] is None for r in records)
+    assert all(0 < r["time_to_first_token"] <= r["total_time"] for r in records)
+    assert "tokens/s" in proc.stderr and "cache peak" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    """The supernet_swa checkpoint (vocab 80) with a trained 80-token tokenizer and a chat template."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    for name in ("config.json", "model.safetensors", "placements.json"):
+        shutil.copy(os.path.join(CASE, name), directory / name)
+    write_tiny_tokenizer(directory, vocab_size=80)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def json_run(text_ckpt):
+    """One --json run with a text prompt (chat template applied by default); shared by two tests (capsys is
+    function-scoped, so the output is captured by hand)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = [text_ckpt, "--prompt", "hello world", "--max-new-tokens", "12", "--ignore-eos", "--logprobs", "--json",
+            *ENGINE]
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_text_prompt_json(json_run, text_ckpt):
+    code, stdout, stderr = json_run
+    assert code == 0, stderr
+    (record,) = json.loads(stdout)
+    tok = Tokenizer.from_dir(text_ckpt)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello world"}])
+    assert rendered == "<s>user: hello world\nassistant:"
+    assert record["prompt_ids"] == tok.encode(rendered, add_special_tokens=False)
+    assert len(record["token_ids"]) == 12 and record["finish_reason"] == "length"
+    assert record["text"] == tok.decode(record["token_ids"]) and len(record["text"]) >= 3
+    assert len(record["logprobs"]) == 12 and all(lp <= 0 for lp in record["logprobs"])
+    assert "tokens/s" in stderr and "prefill" in stderr and "decode" in stderr and "cache peak" in stderr
+
+
+def test_text_prompt_streams_and_stops(json_run, text_ckpt, capsys):
+    """Streaming output of the same prompt, cut at a stop string taken from the middle of the full text."""
+    full = json.loads(json_run[1])[0]["text"]
+    k = next(i for i in range(len(full) // 2, len(full) - 1) if full.find(full[i:i + 2]) == i)
+    stop = full[k:k + 2]
+    code = main([text_ckpt, "--prompt", "hello world", "--max-new-tokens", "12", "--ignore-eos", "--stop", stop,
+                 *ENGINE])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == full[:k] + "\n"  # never printed the start of the stop string
+    assert "finish: stop 1" in captured.err and "tokens/s" in captured.err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors: exit status 2, a message on stderr, no traceback; none of these gets as far as compiling.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _fails(capsys, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_text_prompt_without_tokenizer(capsys):
+    _fails(capsys, [CASE, "--prompt", "hello", *ENGINE], "tokenizer", "--prompt-ids")
+
+
+def test_stop_string_without_tokenizer(capsys):
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--stop", "x", *ENGINE], "--stop", "tokenizer")
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--temperature", "-1", "temperature"),
+    ("--top-p", "0", "top_p"),
+    ("--top-k", "-2", "top_k"),
+    ("--max-new-tokens", "0", "max_new_tokens"),
+    ("--seed", "-1", "seed"),
+])
+def test_bad_sampling_values(capsys, flag, value, field):
+    # No engine flags: sampling values are checked before anything is loaded.
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", flag, value], field, value)
+
+
+def test_bad_prompt_ids(capsys):
+    _fails(capsys, [CASE, "--prompt-ids", "1,x"], "--prompt-ids", "'x'")
+    _fails(capsys, [CASE, "--prompt-ids", " , "], "--prompt-ids")
+    _fails(capsys, [CASE, "--prompt-ids", "1,-3"], "negative")
+    _fails(capsys, [CASE, "--prompt-ids", "1,80", *ENGINE], "outside the vocabulary")
+
+
+def test_prompt_longer_than_context(capsys):
+    _fails(capsys, [CASE, "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-model-len", "8", *ENGINE],
+           "max_model_len", "8 tokens")
+
+
+def test_unknown_placement(capsys):
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--placement", "nope", *ENGINE], "unknown placement 'nope'", "main")
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--placement", "attention,kda,gdn", *ENGINE], "unknown mixer 'kda'")
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    _fails(capsys, [str(tmp_path / "nowhere"), "--prompt-ids", "1,2"], "does not exist")
+    _fails(capsys, [str(tmp_path), "--prompt-ids", "1,2"], "config.json")
+
+
+def test_no_prompt(capsys):
+    _fails(capsys, [CASE, *ENGINE], "no prompt")
+
+
+def test_chat_template_requested_but_missing(capsys, tmp_path):
+    for name in ("config.json", "placements.json"):
+        shutil.copy(os.path.join(CASE, name), tmp_path / name)
+    write_tiny_tokenizer(tmp_path, chat_template=None)
+    _fails(capsys, [str(tmp_path), "--prompt", "hello", "--chat-template"], "no chat template")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pieces that need no engine
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_prompts_file_text_and_jsonl(tmp_path):
+    plain = tmp_path / "p.txt"
+    plain.write_text("hello world\n\nthe lazy dog\n")
+    assert read_prompts_file(str(plain)) == [("text", "hello world"), ("text", "the lazy dog")]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "hello", "id": 7}\n{"prompt": [1, 2, 3]}\n')
+    assert read_prompts_file(str(jsonl)) == [("text", "hello"), ("ids", [1, 2, 3])]
+    jsonl.write_text('{"prompt": "hello"}\n{"text": "no prompt field"}\n')
+    with pytest.raises(UsageError, match="line 2"):
+        read_prompts_file(str(jsonl))
+    with pytest.raises(UsageError, match="cannot read"):
+        read_prompts_file(str(tmp_path / "missing.txt"))
+
+
+def test_prompts_file_errors_reach_the_user(capsys, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": [1, "x"]}\n')
+    _fails(capsys, [CASE, "--prompts-file", str(bad)], "line 1", "prompt")
+
+
+def test_several_outputs_are_printed_with_their_index(capsys):
+    out = RequestOutput(index=3, prompt_ids=[1], token_ids=[5, 6], text=None, finish_reason="length",
+                        logprobs=[-0.5, -1.25], preemptions=[], time_to_first_token=0.1, total_time=0.2)
+    _print_output(sys.stdout, out, has_tokenizer=False, logprobs=True)
+    _print_output(sys.stdout, RequestOutput(**{**out.__dict__, "text": "hi there"}), has_tokenizer=True,
+                  logprobs=False)
+    assert capsys.readouterr().out == "[3] 5 6\n[3] logprobs: -0.5000 -1.2500\n[3] hi there\n"

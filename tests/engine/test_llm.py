@@ -1,0 +1,161 @@
+"""The serving engine end to end on the golden checkpoints: paged caches, chunked prefill, batching,
+preemption and placements must all reproduce the reference's greedy tokens."""
+
+import os
+
+import numpy as np
+import pytest
+
+from apriel2_jax.checkpoint import load_model
+from apriel2_jax.engine.cache_layout import cache_layout, plan_cache
+from apriel2_jax.engine.llm import LLM
+from apriel2_jax.engine.sampling import SamplingParams
+from apriel2_jax.engine.step import Buckets, StepRunner, build_inputs
+from apriel2_jax.engine.scheduler import ScheduledStep
+from apriel2_jax.parity import load_case
+from apriel2_jax.placement import resolve_placement
+from tests.conftest import GOLDENS, golden_cases
+
+GREEDY = SamplingParams.greedy(max_new_tokens=8, ignore_eos=True)
+SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8, max_prefill_rows=2,
+             page_size=4, cache_bytes=4 * 2**20, warm_up=False, log=lambda msg: None)
+
+
+def _prompts(case, rows=(0, 1)):
+    return [[int(t) for t in case.input_ids[r, : case.prompt_len]] for r in rows]
+
+
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_engine_greedy_matches_goldens_for_every_placement(case_name):
+    directory = os.path.join(GOLDENS, case_name)
+    case = load_case(directory)
+    llm = LLM(directory, dtype="float32", buckets=Buckets((2,), (2,), (8,)), debug_checks=True, **SMALL)
+    for name in case.placements:
+        llm.set_placement(name)
+        outputs = llm.generate(_prompts(case), GREEDY)
+        got = np.array([o.token_ids for o in outputs])
+        np.testing.assert_array_equal(got, case.greedy_ids[name], err_msg=f"{case_name}/{name}")
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert llm.cache_manager.usage() == {k: (0, v[1]) for k, v in llm.cache_manager.usage().items()}
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """hybrid_all_mixers under the 'mamba' placement: attention, sliding window 8, GDN, KDA and Mamba layers."""
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(directory)
+    model = load_model(directory, "float32")
+    runner = StepRunner(model)
+    return case, model, runner
+
+
+def _engine(hybrid, **overrides):
+    case, model, runner = hybrid
+    args = dict(SMALL, model=model, dtype="float32", placements=case.placements, placement="mamba",
+                step_runner=runner, debug_checks=True, max_num_seqs=4, max_prefill_rows=4,
+                buckets=Buckets((4,), (4,), (1, 4, 8, 32)))
+    args.update(overrides)
+    return LLM(**args)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 32])
+def test_prefill_chunk_size_does_not_change_tokens(hybrid, chunk):
+    case = hybrid[0]
+    llm = _engine(hybrid, max_chunk=chunk, max_num_batched_tokens=32)
+    outputs = llm.generate(_prompts(case), GREEDY)
+    np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids["mamba"])
+
+
+def test_alone_and_batched_with_other_lengths_agree(hybrid):
+    case = hybrid[0]
+    llm = _engine(hybrid)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in _prompts(case)]
+    others = [[5, 9, 13], [int(t) for t in case.input_ids[1, :26]], [7] * 11]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_new_tokens=4), GREEDY, GREEDY,
+              SamplingParams.greedy(max_new_tokens=3)]
+    batch = llm.generate([_prompts(case)[0], others[0], others[1], _prompts(case)[1], others[2]], params)
+    assert batch[0].token_ids == alone[0] and batch[3].token_ids == alone[1]
+    assert [len(o.token_ids) for o in batch] == [8, 4, 6, 8, 3]  # others[1] reaches max_model_len (32)
+    assert batch[2].finish_reason == "length"
+    np.testing.assert_array_equal(np.array(alone), case.greedy_ids["mamba"])
+
+
+@pytest.mark.parametrize("usable_pages, where", [(10, "prefill"), (13, "decode")])
+def test_preemption_mid_prefill_and_mid_decode_gives_the_same_tokens(hybrid, usable_pages, where):
+    """Four requests of 21 + 8 tokens (8 pages of 4 each) share 10 or 13 pages of full attention: with 10, two
+    prompts never both finish prefilling; with 13 they do, and decoding then runs out of pages."""
+    case, model, _ = hybrid
+    placement = resolve_placement(model.config, "mamba", case.placements)
+    layout = cache_layout(model.config, placement, 4)
+    roomy = plan_cache(layout, budget_bytes=2**30, page_size=4, max_num_seqs=4, max_model_len=32, max_chunk=8)
+    full = next(f for f in layout.attention if f.window is None)
+    fixed = sum(v for k, v in roomy.bytes.items() if k != "full")
+    llm = _engine(hybrid, cache_bytes=fixed + (usable_pages + 1) * 4 * full.token_bytes)
+    assert llm.plan.pages["full"] == usable_pages + 1
+    outputs = llm.generate(_prompts(case) * 2, GREEDY)
+    expected = np.concatenate([case.greedy_ids["mamba"]] * 2)
+    np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), expected)
+    points = [(cached, generated) for o in outputs for cached, generated in o.preemptions]
+    assert llm.stats.preemptions == len(points) > 0
+    if where == "prefill":
+        assert any(generated == 0 and 0 < cached < case.prompt_len for cached, generated in points), points
+    else:
+        assert any(generated > 0 for cached, generated in points), points
+
+
+def test_no_recompilation_after_warm_up(hybrid):
+    llm = _engine(hybrid, warm_up=True, buckets=Buckets((1, 4), (4,), (8,)))
+    compiled = llm.runner.compilations
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 100, size=n)) for n in (1, 5, 9, 17, 23, 2, 30)]
+    params = [SamplingParams(temperature=0.5, top_k=5, seed=i, max_new_tokens=int(m)) for i, m in enumerate([1, 7, 3, 12, 5, 20, 1])]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == [1, 7, 3, 12, 5, 20, 1]
+    assert llm.runner.compilations == compiled
+
+
+def test_buckets_larger_than_the_state_slots_stay_in_bounds(hybrid):
+    case = hybrid[0]
+    llm = _engine(hybrid, max_num_seqs=2, buckets=Buckets((8,), (8,), (8,)), warm_up=True)
+    assert llm.plan.slots == 3  # two live slots and the sink, while a bucket has 8 rows
+    inputs = build_inputs(ScheduledStep("decode", (), ()), (8, 1), llm.cache_manager)
+    assert (inputs.batch.slots == 0).all() and all((t == 0).all() for t in inputs.batch.tables.values())
+    # Warm-up ran every bucket on padding only: live slots and pages are untouched (still zero).
+    for layer in llm._cache:
+        for array in layer.values():
+            assert not np.asarray(array)[1:].any()
+    outputs = llm.generate(_prompts(case), GREEDY)
+    np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids["mamba"])
+
+
+def test_switching_placement_clears_caches_and_reuses_compiled_steps(hybrid):
+    case = hybrid[0]
+    llm = _engine(hybrid, buckets=Buckets((4,), (4,), (8,)))
+    first = llm.generate(_prompts(case), GREEDY)
+    llm.set_placement("kda")
+    kda = llm.generate(_prompts(case), GREEDY)
+    np.testing.assert_array_equal(np.array([o.token_ids for o in kda]), case.greedy_ids["kda"])
+    compiled = llm.runner.compilations
+    llm.set_placement("mamba")
+    again = llm.generate(_prompts(case), GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert llm.runner.compilations == compiled
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_num_seqs=4, num_state_slots=2), "max_num_seqs=4 exceeds num_state_slots=2"),
+        (dict(max_chunk=64, max_num_batched_tokens=16), "max_chunk=64 exceeds max_num_batched_tokens=16"),
+        (dict(cache_bytes=1024), "raise the memory budget"),
+    ],
+)
+def test_start_up_errors_say_what_to_change(hybrid, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _engine(hybrid, **kwargs)
+
+
+def test_prompt_longer_than_context_is_rejected(hybrid):
+    llm = _engine(hybrid)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[3] * 40], GREEDY)
