@@ -67,6 +67,8 @@ class CacheManager:
                 pool.release(table[:drop])
                 del table[:drop]
                 blocks.first_page[family] += drop
+            if not blocks.tables[family]:  # nothing held: start at the first page still visible
+                blocks.first_page[family] = max(blocks.first_page[family], first)
         end_page = math.ceil((computed + new_tokens) / self.page_size)
         needed = {
             family: max(0, end_page - blocks.first_page[family] - len(blocks.tables[family])) for family in self.pools

@@ -58,6 +58,7 @@ class StreamEvent:
 @dataclasses.dataclass
 class EngineStats:
     steps: int = 0
+    decode_steps: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
@@ -236,13 +237,19 @@ class LLM:
                 outputs[event.index] = event.output
         return [outputs[i] for i in sorted(outputs)]
 
-    def stream(self, prompts, params=None) -> Iterator[StreamEvent]:
-        """Yield each request's new tokens (and text) as they are produced, then a final event per request."""
+    def stream(self, prompts, params=None, *, assume_prefilled: bool = False) -> Iterator[StreamEvent]:
+        """Yield each request's new tokens (and text) as they are produced, then a final event per request.
+
+        ``assume_prefilled`` is for benchmarks only: the prompts are admitted as already cached (pages and
+        slots allocated, contents not computed) and decoding starts at once; outputs are meaningless."""
         requests = self._make_requests(prompts, params)
         start = time.monotonic()
         for request in requests:
             request.timings["start"] = start
-            self.scheduler.add(request)
+            if assume_prefilled:
+                self.scheduler.admit_cached(request, request.num_tokens - 1)
+            else:
+                self.scheduler.add(request)
         try:
             while self.scheduler.has_work:
                 yield from self._step()
@@ -269,6 +276,7 @@ class LLM:
         elapsed = time.monotonic() - t0
         self.stats.steps += 1
         if step.kind == "decode":
+            self.stats.decode_steps += 1
             self.stats.decode_tokens += step.num_tokens
             self.stats.decode_seconds += elapsed
         else:

@@ -106,6 +106,22 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def admit_cached(self, request: Request, cached_tokens: int) -> None:
+        """Benchmarking only: admit ``request`` as if its first ``cached_tokens`` tokens were already in the
+        cache (pages and slot allocated, contents not computed), so decode speed at a long context can be
+        measured without running the prefill."""
+        if len(self.running) >= self.config.max_num_seqs:
+            raise RuntimeError(f"cannot admit: {len(self.running)} requests already running (max_num_seqs)")
+        if not 0 <= cached_tokens < request.num_tokens:
+            raise ValueError(f"cached_tokens must be in [0, {request.num_tokens}), got {cached_tokens}")
+        if not self.cache.try_allocate(request.request_id, cached_tokens, 0):
+            self.cache.free(request.request_id)
+            raise RuntimeError(f"cannot admit: no cache room for {cached_tokens} tokens")
+        request.arrival = next(self._arrivals)
+        request.num_computed = cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def abort(self, request_id: Hashable) -> Request | None:
         for queue in (self.waiting, self.running):
             for request in queue:

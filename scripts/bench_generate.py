@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Generation benchmark on random weights of a real Apriel2 geometry.
+
+    python scripts/bench_generate.py ../shared/configs/apriel2-0.5b-shaped --placement a12-g1-k11 \
+        --batch 8 --prompt-len 4096 --output-len 64
+
+The supernet is pruned to the placement's active mixers (a serving deployment of one placement moves the same
+bytes; inactive sub-mixers only cost memory). Measures, side by side in one process:
+  * HBM bandwidth (a large device copy) and the decode roofline: the bytes one decode step must move at least
+    (active weights once, K/V of the context per attention layer, recurrent state read + write) over that
+    bandwidth, versus the measured step time;
+  * prefill throughput over ``--prefill-batch`` prompts of ``--prompt-len`` tokens (chunked, as served), with
+    the fraction of bf16 tensor-core peak its matmul FLOPs reach;
+  * decode throughput of ``--batch`` sequences at context ``--prompt-len``, on caches admitted as prefilled
+    (pages and slots allocated, contents not computed: timing does not depend on the values).
+Prints one table row; ``--json`` appends the row to a JSONL file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from apriel2_jax.config import AttentionConfig, StochasticConfig, parse_config  # noqa: E402
+from apriel2_jax.engine.cache_layout import cache_layout  # noqa: E402
+from apriel2_jax.engine.llm import LLM  # noqa: E402
+from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
+from apriel2_jax.engine.step import Buckets  # noqa: E402
+from apriel2_jax.modules import Apriel2ForCausalLM  # noqa: E402
+from apriel2_jax.placement import load_placements, resolve_placement  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
+
+
+def pruned_config(data: dict, placement: tuple) -> dict:
+    """A pattern decoder with one plain block per layer holding only the placement's mixer."""
+    data = copy.deepcopy(data)
+    decoder = data["decoder"]
+    names = decoder["pattern"] if decoder.get("type") == "pattern" else None
+    blocks = {}
+    for i, name in enumerate(placement):
+        block = copy.deepcopy(decoder["blocks"][names[i % len(names)]] if names else decoder["block"])
+        if name is not None:
+            block["mixer"] = block["mixer"]["mixers"][name]
+        blocks[f"layer_{i}"] = block
+    data["decoder"] = {"type": "pattern", "num_blocks": len(placement), "blocks": blocks,
+                       "pattern": [f"layer_{i}" for i in range(len(placement))]}
+    return data
+
+
+def hbm_bandwidth() -> float:
+    """Bytes/s of a 4 GiB read + write on the device (median of 10)."""
+    x = jnp.ones((2**30,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def decode_bytes(config, placement, layout, batch: int, context: int, dtype_bytes: int, params: int) -> int:
+    """The least a decode step must move: weights once, each sequence's visible K/V, states read + written."""
+    total = params * dtype_bytes
+    for fam in layout.attention:
+        visible = context if fam.window is None else min(context, fam.window)
+        total += batch * visible * fam.token_bytes
+    if layout.state:
+        total += 2 * batch * layout.state.slot_bytes
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config_dir")
+    ap.add_argument("--placement", required=True)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prefill-batch", type=int, default=1)
+    ap.add_argument("--max-chunk", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--json", default=None, help="append the result row to this JSONL file")
+    args = ap.parse_args(argv)
+
+    with open(os.path.join(args.config_dir, "config.json")) as f:
+        raw = json.load(f)
+    supernet = parse_config(raw)
+    placement = resolve_placement(supernet, args.placement, load_placements(args.config_dir))
+    config = parse_config(pruned_config(raw, placement))
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    dtype_bytes = np.dtype(dtype).itemsize
+    device = jax.devices()[0]
+    t0 = time.monotonic()
+    model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"{device.device_kind}: random {params / 1e9:.2f}B-parameter model ({args.placement}) in "
+          f"{time.monotonic() - t0:.0f}s", file=sys.stderr)
+
+    bandwidth = hbm_bandwidth()
+    max_len = args.prompt_len + args.output_len + args.page_size
+    batch = max(args.batch, args.prefill_batch)
+    llm = LLM(
+        model=model,
+        max_num_seqs=batch,
+        max_model_len=max_len,
+        max_num_batched_tokens=args.max_chunk,
+        max_chunk=args.max_chunk,
+        max_prefill_rows=1,
+        page_size=args.page_size,
+        cache_memory_fraction=0.9,
+        buckets=Buckets((args.batch,), (1,), (args.max_chunk,)),
+    )
+    rng = np.random.default_rng(0)
+    prompt = lambda: [int(t) for t in rng.integers(3, config.vocab_size, size=args.prompt_len)]  # noqa: E731
+
+    # Prefill: the real chunked path.
+    llm.generate([prompt() for _ in range(args.prefill_batch)], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    prefill_tps = llm.stats.prefill_tokens_per_second
+    # Decode at context prompt_len on caches admitted as prefilled.
+    llm.stats = type(llm.stats)()
+    params_d = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+    for _ in llm.stream([prompt() for _ in range(args.batch)], params_d, assume_prefilled=True):
+        pass
+    stats = llm.stats
+    step_s = stats.decode_seconds / max(stats.decode_steps, 1)
+    layout = cache_layout(config, llm.placement, dtype_bytes)
+    ideal = decode_bytes(config, llm.placement, layout, args.batch, args.prompt_len, dtype_bytes, params)
+    roofline_s = ideal / bandwidth
+    kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
+    mfu = (2 * params * prefill_tps / PEAK_BF16_FLOPS[kind]) if kind else float("nan")
+    row = {
+        "device": device.device_kind,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": os.path.basename(os.path.normpath(args.config_dir)),
+        "placement": args.placement,
+        "params_B": round(params / 1e9, 3),
+        "batch": args.batch,
+        "context": args.prompt_len,
+        "output_len": args.output_len,
+        "prefill_tok_s": round(prefill_tps, 1),
+        "prefill_mfu": round(mfu, 4),
+        "decode_tok_s": round(stats.decode_tokens_per_second, 1),
+        "decode_step_ms": round(step_s * 1e3, 3),
+        "roofline_step_ms": round(roofline_s * 1e3, 3),
+        "roofline_ratio": round(roofline_s / step_s, 4),
+        "hbm_GBps": round(bandwidth / 1e9, 1),
+        "cache": llm.plan.summary(layout),
+        "compilations": llm.runner.compilations,
+    }
+    print(" | ".join(f"{k}={v}" for k, v in row.items() if k != "cache"))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
