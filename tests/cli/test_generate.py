@@ -57,6 +57,33 @@ def test_golden_greedy_through_console_script():
     assert "tokens/s" in proc.stderr and "cache peak" in proc.stderr
 
 
+def _golden_pairs():
+    from tests.conftest import golden_cases
+
+    pairs = []
+    for case in golden_cases():
+        with open(os.path.join(GOLDENS, case, "placements.json")) as f:
+            pairs += [(case, name) for name in json.load(f) if (case, name) != ("supernet_swa", "main")]
+    return pairs
+
+
+@pytest.mark.parametrize("case, placement", _golden_pairs())
+def test_golden_greedy_every_case_and_placement(case, placement):
+    """The rest of the goldens, in-process (the console script itself is exercised above)."""
+    directory = os.path.join(GOLDENS, case)
+    infos, metadata = read_header(os.path.join(directory, "golden.safetensors"))
+    prompts = read_tensor(infos["input_ids"])[:, : int(metadata["prompt_len"])]
+    argv = [directory, "--placement", placement, "--max-new-tokens", "8", "--ignore-eos", "--json", *ENGINE]
+    for row in prompts:
+        argv += ["--prompt-ids", ",".join(str(int(t)) for t in row)]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    assert code == 0, err.getvalue()
+    tokens = [r["token_ids"] for r in json.loads(out.getvalue())]
+    assert tokens == read_tensor(infos[f"{placement}.greedy_ids"]).tolist()
+
+
 @pytest.fixture(scope="module")
 def text_ckpt(tmp_path_factory):
     """The supernet_swa checkpoint (vocab 80) with a trained 80-token tokenizer and a chat template."""

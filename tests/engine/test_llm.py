@@ -112,6 +112,8 @@ def test_no_recompilation_after_warm_up(hybrid):
     outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == [1, 7, 3, 12, 5, 20, 1]
     assert llm.runner.compilations == compiled
+    # One metadata build per step, shared by every layer (vLLM rebuilt it per KV-cache group).
+    assert llm.cache_manager.metadata_builds == llm.stats.steps > 0
 
 
 def test_buckets_larger_than_the_state_slots_stay_in_bounds(hybrid):
