@@ -25,6 +25,7 @@ _REFERENCE: dict[str, Callable] = {
     "selective_scan": mamba.selective_scan,
     "selective_scan_step": mamba.selective_scan_step,
     "paged_attention": paged_attention.paged_attention,
+    "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
@@ -36,10 +37,18 @@ def register(name: str, platform: str, fn: Callable) -> None:
     _KERNELS[(name, platform)] = fn
 
 
+_kernels_imported = False
+
+
 def op(name: str) -> Callable:
     """The implementation of ``name`` for the default backend: a registered kernel, else the jnp reference."""
+    global _kernels_imported
     if os.environ.get("APRIEL2_OPS", "") != "reference":
-        fn = _KERNELS.get((name, jax.default_backend()))
+        backend = jax.default_backend()
+        if backend != "cpu" and not _kernels_imported:
+            _kernels_imported = True
+            import pallas_kernels  # noqa: F401  (registers the GPU kernels)
+        fn = _KERNELS.get((name, backend))
         if fn is not None:
             return fn
     return _REFERENCE[name]

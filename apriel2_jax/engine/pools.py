@@ -13,19 +13,21 @@ class PoolError(RuntimeError):
     """An id was freed twice, freed while unowned, or the sink was touched: a bug, never a clamp."""
 
 
-class PagePool:
-    def __init__(self, name: str, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"page pool {name!r} needs at least 2 pages (one is the sink), got {num_pages}")
+class _IdPool:
+    """A LIFO free list over ids 1..size-1 (recently freed ids are reused first); id 0 is the sink."""
+
+    kind = "pool"
+
+    def __init__(self, name: str, size: int):
+        if size < 2:
+            raise ValueError(f"{self.kind} {name!r} needs at least 2 ids (one is the sink), got {size}")
         self.name = name
-        self.num_pages = num_pages
-        # LIFO: recently freed pages are reused first (warm in caches, and easy to reason about in tests).
-        self._free = list(range(num_pages - 1, 0, -1))
-        self._refs = [0] * num_pages
+        self.size = size
+        self._free = list(range(size - 1, 0, -1))
 
     @property
     def capacity(self) -> int:
-        return self.num_pages - 1
+        return self.size - 1
 
     @property
     def num_free(self) -> int:
@@ -34,6 +36,25 @@ class PagePool:
     @property
     def num_in_use(self) -> int:
         return self.capacity - self.num_free
+
+    def _check_free_list(self, in_use: set[int]) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free) or SINK in free or SINK in in_use:
+            raise PoolError(f"{self.kind} {self.name!r}: free list has duplicates, or the sink is listed")
+        if free & in_use or len(free) + len(in_use) + 1 != self.size:
+            raise PoolError(f"{self.kind} {self.name!r}: free + in use + sink != capacity")
+
+
+class PagePool(_IdPool):
+    kind = "page pool"
+
+    def __init__(self, name: str, num_pages: int):
+        super().__init__(name, num_pages)
+        self._refs = [0] * num_pages
+
+    @property
+    def num_pages(self) -> int:
+        return self.size
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
@@ -62,35 +83,23 @@ class PagePool:
         return self._refs[page]
 
     def check(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free) or SINK in free:
-            raise PoolError(f"page pool {self.name!r}: free list has duplicates or the sink")
-        in_use = {i for i in range(1, self.num_pages) if self._refs[i] > 0}
-        if free & in_use or len(free) + len(in_use) + 1 != self.num_pages or self._refs[SINK] != 0:
-            raise PoolError(f"page pool {self.name!r}: free + in use + sink != capacity")
+        if self._refs[SINK] != 0:
+            raise PoolError(f"page pool {self.name!r}: the sink has references")
+        self._check_free_list({i for i in range(1, self.size) if self._refs[i] > 0})
 
 
-class SlotPool:
+class SlotPool(_IdPool):
     """Recurrent state slots: one slot id indexes every recurrent layer; each slot has at most one owner."""
 
+    kind = "state pool"
+
     def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise ValueError(f"state pool needs at least 2 slots (one is the sink), got {num_slots}")
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, 0, -1))
+        super().__init__("state", num_slots)
         self._owner: dict[int, object] = {}
 
     @property
-    def capacity(self) -> int:
-        return self.num_slots - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_in_use(self) -> int:
-        return len(self._owner)
+    def num_slots(self) -> int:
+        return self.size
 
     def acquire(self, owner: object) -> int:
         if not self._free:
@@ -100,7 +109,7 @@ class SlotPool:
         return slot
 
     def release(self, slot: int, owner: object) -> None:
-        if self._owner.get(slot) is not owner:
+        if slot not in self._owner or self._owner[slot] != owner:
             raise PoolError(f"state pool: release of slot {slot} by a request that does not own it")
         del self._owner[slot]
         self._free.append(slot)
@@ -109,8 +118,4 @@ class SlotPool:
         return self._owner.get(slot)
 
     def check(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free) or SINK in free or SINK in self._owner:
-            raise PoolError("state pool: free list has duplicates or the sink is in use")
-        if free & set(self._owner) or len(free) + len(self._owner) + 1 != self.num_slots:
-            raise PoolError("state pool: free + in use + sink != capacity")
+        self._check_free_list(set(self._owner))

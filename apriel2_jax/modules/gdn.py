@@ -33,22 +33,40 @@ class GatedDeltaNet(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
         }
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
-        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
+    def _project(self, x: jax.Array):
+        """Input projections and gates: (pre-conv q|k|v, z [B,T,H_v,d_v], beta, g)."""
         cfg = self.cfg
         batch, length, _ = x.shape
-        key_size = cfg.key_heads * cfg.key_head_dim
         qkvz = self.in_proj_qkvz(x)
         qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
         ba = self.in_proj_ba(x)
         b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
-        lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
-        mixed, conv_state = conv_forward(self.convolution, qkv, None if state is None else state["conv"], op, lengths)
+        beta = jax.nn.sigmoid(b)  # model dtype, as the reference
+        g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
+        return qkv, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim), beta, g
+
+    def _split(self, mixed: jax.Array):
+        cfg = self.cfg
+        batch, length, _ = mixed.shape
+        key_size = cfg.key_heads * cfg.key_head_dim
         q = mixed[..., :key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
         k = mixed[..., key_size : 2 * key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
         v = mixed[..., 2 * key_size :].reshape(batch, length, cfg.value_heads, cfg.value_head_dim)
-        beta = jax.nn.sigmoid(b)  # model dtype, as the reference
-        g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
+        return q, k, v
+
+    def _output(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        batch, length = o.shape[:2]
+        y = self.norm(o, z)
+        return self.out_proj(y.reshape(batch, length, self.cfg.value_heads * self.cfg.value_head_dim))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        qkv, z, beta, g = self._project(x)
+        lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
+        mixed, conv_state = conv_forward(self.convolution, qkv, None if state is None else state["conv"], op, lengths)
+        q, k, v = self._split(mixed)
         if token_mask is not None:  # g = 0, beta = 0: an identity update
             g = jnp.where(token_mask[..., None], g, 0.0)
             beta = jnp.where(token_mask[..., None], beta, jnp.zeros_like(beta))
@@ -61,6 +79,17 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             o, ssm = op("gated_delta_rule")(q, k, v, g, beta, ssm)
-        y = self.norm(o, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim))
-        out = self.out_proj(y.reshape(batch, length, cfg.value_heads * cfg.value_head_dim))
-        return out, {"conv": conv_state, "ssm": ssm}
+        return self._output(o, z), {"conv": conv_state, "ssm": ssm}
+
+    def paged_decode(self, x: jax.Array, batch, pool: dict):
+        """Engine decode, one token per row: the conv state (small) is gathered and scattered by slot; the
+        recurrent state is updated in place in the pool (a Pallas kernel on GPU)."""
+        qkv, z, beta, g = self._project(x)
+        conv = pool["conv"][batch.slots]
+        conv = jnp.where(batch.fresh[:, None, None], jnp.zeros_like(conv), conv)
+        mixed, conv = conv_forward(self.convolution, qkv, conv, op)
+        q, k, v = self._split(mixed)
+        o, ssm = op("delta_rule_decode_slots")(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+        )
+        return self._output(o[:, None], z), {"conv": pool["conv"].at[batch.slots].set(conv), "ssm": ssm}

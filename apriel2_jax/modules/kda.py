@@ -43,19 +43,34 @@ class KimiDeltaAttention(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32),
         }
 
+    def _gates(self, x: jax.Array):
+        """(g [B,T,H,D] fp32 log decay, beta [B,T,H] fp32, output gate [B,T,H,D])."""
+        cfg = self.cfg
+        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(shape), self.A_log[...], self.dt_bias[...])
+        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        return g, beta, self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+
+    def _convs(self, x: jax.Array, get, lengths=None):
+        cfg = self.cfg
+        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
+        q, conv_q = conv_forward(self.q_conv, self.q_proj(x), get("conv_q"), op, lengths)
+        k, conv_k = conv_forward(self.k_conv, self.k_proj(x), get("conv_k"), op, lengths)
+        v, conv_v = conv_forward(self.v_conv, self.v_proj(x), get("conv_v"), op, lengths)
+        return q.reshape(shape), k.reshape(shape), v.reshape(shape), {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v}
+
+    def _output(self, o: jax.Array, gate: jax.Array) -> jax.Array:
+        batch, length = o.shape[:2]
+        return self.o_proj(self.norm(o, gate).reshape(batch, length, self.cfg.projection_size))
+
     def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
         """token_mask: [B, T], False for right-padding tokens, which leave all states untouched."""
         cfg = self.cfg
         batch, length, _ = x.shape
-        shape = (batch, length, cfg.heads, cfg.head_dim)
         get = (lambda key: None) if state is None else state.get
         lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
-        q, conv_q = conv_forward(self.q_conv, self.q_proj(x), get("conv_q"), op, lengths)
-        k, conv_k = conv_forward(self.k_conv, self.k_proj(x), get("conv_k"), op, lengths)
-        v, conv_v = conv_forward(self.v_conv, self.v_proj(x), get("conv_v"), op, lengths)
-        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(shape), self.A_log[...], self.dt_bias[...])
-        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        q, k, v, convs = self._convs(x, get, lengths)
+        g, beta, gate = self._gates(x)
         if token_mask is not None:  # g = 0, beta = 0: an identity update
             g = jnp.where(token_mask[..., None, None], g, 0.0)
             beta = jnp.where(token_mask[..., None], beta, 0.0)
@@ -67,6 +82,17 @@ class KimiDeltaAttention(nnx.Module):
             o = o[:, None]
         else:
             o, ssm = op("kda_delta_rule")(q, k, v, g, beta, ssm)
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
-        y = self.norm(o, gate).reshape(batch, length, cfg.projection_size)
-        return self.o_proj(y), {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "ssm": ssm}
+        return self._output(o, gate), dict(convs, ssm=ssm)
+
+    def paged_decode(self, x: jax.Array, batch, pool: dict):
+        """Engine decode, one token per row: conv states gathered/scattered by slot; the recurrent state updated
+        in place in the pool (a Pallas kernel on GPU)."""
+        fresh = batch.fresh[:, None, None]
+        rows = {key: jnp.where(fresh, 0, pool[key][batch.slots]).astype(pool[key].dtype) for key in ("conv_q", "conv_k", "conv_v")}
+        q, k, v, convs = self._convs(x, rows.get)
+        g, beta, gate = self._gates(x)
+        o, ssm = op("delta_rule_decode_slots")(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+        )
+        new = {key: pool[key].at[batch.slots].set(convs[key]) for key in convs}
+        return self._output(o[:, None], gate), dict(new, ssm=ssm)

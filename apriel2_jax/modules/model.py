@@ -41,6 +41,8 @@ class Block(nnx.Module):
         h = self.input_layernorm(x)
         if isinstance(mixer, Attention):
             mixed, cache = mixer.paged(h, batch, cache)
+        elif x.shape[1] == 1 and hasattr(mixer, "paged_decode"):
+            mixed, cache = mixer.paged_decode(h, batch, cache)
         else:
             rows = gather_rows(cache, batch.slots, batch.fresh)
             mixed, rows = mixer(h, batch.positions, rows, token_mask=batch.token_mask)

@@ -190,3 +190,27 @@ def kda_delta_rule_step(
     qn, kn = _prepare_qk(q, k, v.shape[1])
     out, state = delta_rule_step(qn, kn, v.astype(F32), g.astype(F32), beta.astype(F32), state)
     return out.astype(v.dtype), state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode over a state-slot pool (the engine's layout): the oracle of pallas_kernels.delta_rule_decode
+
+
+def delta_rule_decode_slots(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row against rows ``slots`` of a state pool. q, k: [B,H_k,K] raw; v: [B,H,V]; g: [B,H]
+    (GDN) or [B,H,K] (KDA) log decay; beta: [B,H]; state_pool: [N,H,K,V] fp32; slots: [B]; fresh: [B] bool,
+    rows that start from a zero state. Returns o [B,H,V] in v's dtype and the updated pool."""
+    qn, kn = _prepare_qk(q, k, v.shape[1])
+    decay = (g[..., None] if g.ndim == 2 else g).astype(F32)
+    rows = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots])
+    out, rows = delta_rule_step(qn, kn, v.astype(F32), decay, beta.astype(F32), rows)
+    return out.astype(v.dtype), state_pool.at[slots].set(rows)

@@ -1,0 +1,97 @@
+"""GDN/KDA decode update in Pallas (Triton backend): one token per sequence, state read from and written back to
+the state-slot pool in place.
+
+One program per (row, value head, V-slab). It loads the [K, BV] slab of its row's state (fp32), applies the
+decay (a scalar per head for GDN, a vector over K for KDA), the delta write and the read, and stores the slab
+and the output slab; q/k L2 normalisation and the q scale happen in the kernel. Decode is memory-bound: the
+state is read and written once, nothing else of that size moves. Slabs over V are independent because every
+reduction of the update runs over K.
+
+The reference (and CPU path) is ``apriel2_jax.ops.delta_rule.delta_rule_decode_slots``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(q: jax.Array, v: jax.Array, g: jax.Array) -> bool:
+    """The Triton backend needs power-of-two loads: K, and V (sliced in slabs) must be powers of two."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    return _is_power_of_two(key_dim) and _is_power_of_two(value_dim) and g.shape[-1] in (1, key_dim)
+
+
+def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *, rep, scale, bv):
+    del state_in_ref  # aliased with state_ref: the pool is updated in place
+    row, head, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[row]
+    fresh = fresh_ref[row] != 0
+    key_head = head // rep
+    cols = pl.ds(slab * bv, bv)
+    q = q_ref[row, key_head, :].astype(F32)
+    k = k_ref[row, key_head, :].astype(F32)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    v = v_ref[row, head, cols].astype(F32)
+    decay = jnp.exp(g_ref[row, head, :].astype(F32))  # [1] (GDN) or [K] (KDA)
+    beta = beta_ref[row, head].astype(F32)
+    s = state_ref[slot, head, :, cols]  # [K, BV]
+    s = jnp.where(fresh, jnp.zeros_like(s), s) * decay[:, None]
+    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * u[None, :]
+    state_ref[slot, head, :, cols] = s
+    o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("state_pool",))
+def delta_rule_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    block_v: int = 32,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """q, k: [B, H_k, K] raw; v: [B, H, V]; g: [B, H] (GDN) or [B, H, K] (KDA) log decay; beta: [B, H];
+    state_pool: [N, H, K, V] fp32, updated in place (donated); slots: [B] int32 pool rows (repeats only for the
+    sink); fresh: [B] bool, rows whose state starts from zeros (a one-token prompt in a reused slot).
+    Returns o [B, H, V] in v's dtype and the pool."""
+    batch, heads, value_dim = v.shape
+    key_heads, key_dim = q.shape[1:]
+    block_v = min(block_v, value_dim)
+    if g.ndim == 2:
+        g = g[..., None]
+    kernel = functools.partial(_kernel, rep=heads // key_heads, scale=key_dim**-0.5, bv=block_v)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, value_dim // block_v),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, F32)),
+        input_output_aliases={7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(slots.astype(jnp.int32), fresh.astype(jnp.int32), q, k, v, g.astype(F32), beta, state_pool)
+
+
+def decode_slots(q, k, v, g, beta, state_pool, slots, fresh):
+    """The dispatch entry: the kernel where the Triton backend can take the shapes, the jnp op otherwise."""
+    from apriel2_jax.ops.delta_rule import delta_rule_decode_slots
+
+    if not supported(q, v, g if g.ndim == 3 else g[..., None]):
+        return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
+    return delta_rule_decode(q, k, v, g, beta, state_pool, slots, fresh)

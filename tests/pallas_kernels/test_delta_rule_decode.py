@@ -1,0 +1,91 @@
+"""GDN/KDA decode kernel: interpret mode against the jnp op on CPU, and cross-lowering for CUDA at production
+shapes (catches the Triton backend's power-of-two and layout rules without a GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from apriel2_jax.ops.delta_rule import delta_rule_decode_slots
+from pallas_kernels.delta_rule_decode import decode_slots, delta_rule_decode, supported
+
+
+def _inputs(seed, kda, batch=3, key_heads=2, heads=4, key_dim=16, value_dim=32, pool=7, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    key_heads = heads if kda else key_heads
+    g_shape = (batch, heads, key_dim) if kda else (batch, heads)
+    return dict(
+        q=f(batch, key_heads, key_dim),
+        k=f(batch, key_heads, key_dim),
+        v=f(batch, heads, value_dim),
+        g=-jnp.asarray(rng.uniform(0.0, 5.0 if kda else 2.0, g_shape), jnp.float32),
+        beta=jnp.asarray(rng.uniform(0.0, 1.0, (batch, heads)), jnp.float32),
+        state_pool=jnp.asarray(rng.standard_normal((pool, heads, key_dim, value_dim)), jnp.float32),
+        slots=jnp.asarray([5, 1, 3][:batch], jnp.int32),  # out of order, not contiguous
+        fresh=jnp.asarray([False, True, False][:batch]),
+    )
+
+
+def _rel(a, b):
+    return float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(b.astype(jnp.float32)).max())
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_kernel_matches_reference_fp32(kda, block_v):
+    x = _inputs(0, kda)
+    o_ref, pool_ref = delta_rule_decode_slots(**x)
+    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), block_v=block_v, interpret=True)
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+    untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(x["state_pool"])[untouched])
+
+
+def test_fresh_rows_ignore_the_stale_slot_contents():
+    x = _inputs(1, kda=False)
+    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), interpret=True)
+    zeroed = x["state_pool"].at[1].set(0.0)  # row 1 is fresh and uses slot 1
+    o2, pool2 = delta_rule_decode(**dict(x, state_pool=zeroed), interpret=True)
+    np.testing.assert_allclose(np.asarray(o[1]), np.asarray(o2[1]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pool[1]), np.asarray(pool2[1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_kernel_bf16_operands(kda):
+    x = _inputs(2, kda, dtype=jnp.bfloat16)
+    o_ref, pool_ref = delta_rule_decode_slots(**x)
+    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), interpret=True)
+    assert o.dtype == jnp.bfloat16
+    assert _rel(o, o_ref) <= 1e-2 and _rel(pool, pool_ref) <= 1e-5
+
+
+def test_unsupported_shapes_fall_back_to_the_reference():
+    x = _inputs(3, kda=False, key_dim=12, value_dim=24)
+    assert not supported(x["q"], x["v"], x["g"][..., None])
+    o, pool = decode_slots(**x)
+    o_ref, pool_ref = delta_rule_decode_slots(**x)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_cross_lowers_for_cuda_at_production_shapes(kda):
+    """SuperApriel geometry: 256 sequences, 32 value heads (GDN: 8 key heads), K = V = 128, bf16 operands."""
+    S = jax.ShapeDtypeStruct
+    batch, heads, key_heads, dim, pool = 256, 32, 32 if kda else 8, 128, 257
+    args = (
+        S((batch, key_heads, dim), jnp.bfloat16),
+        S((batch, key_heads, dim), jnp.bfloat16),
+        S((batch, heads, dim), jnp.bfloat16),
+        S((batch, heads, dim) if kda else (batch, heads), jnp.float32),
+        S((batch, heads), jnp.float32),
+        S((pool, heads, dim, dim), jnp.float32),
+        S((batch,), jnp.int32),
+        S((batch,), jnp.bool_),
+    )
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = delta_rule_decode.trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "triton" in text.lower()
+    assert "input_output_alias" in text or "tf.aliasing_output" in text  # the pool is updated in place
