@@ -44,6 +44,7 @@ class Request:
     seed: int = 0
     text: str = ""
     streamed_chars: int = 0  # characters of ``text`` already streamed
+    checker: Any = None  # StopChecker of this request
     timings: dict = dataclasses.field(default_factory=dict)
 
     @property

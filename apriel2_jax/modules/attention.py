@@ -52,6 +52,8 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(rows, length, cfg.heads * cfg.head_size)), pages
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """``token_mask`` is accepted for a uniform mixer interface and not needed: right padding sits after every
+        valid token, so causality already hides it from valid queries."""
         cfg = self.cfg
         batch, length, _ = x.shape
         q, k, v = self._qkv(x, positions)
