@@ -32,7 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from apriel2_jax.config import AttentionConfig, StochasticConfig, parse_config  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import cache_layout  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
 from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
@@ -59,20 +60,7 @@ def pruned_config(data: dict, placement: tuple) -> dict:
     return data
 
 
-def hbm_bandwidth() -> float:
-    """Bytes/s of a 4 GiB read + write on the device (median of 10)."""
-    x = jnp.ones((2**30,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / float(np.median(times))
-
-
-def decode_bytes(config, placement, layout, batch: int, context: int, dtype_bytes: int, params: int) -> int:
+def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, params: int) -> int:
     """The least a decode step must move: weights once, each sequence's visible K/V, states read + written."""
     total = params * dtype_bytes
     for fam in layout.attention:
@@ -139,7 +127,7 @@ def main(argv=None) -> int:
     stats = llm.stats
     step_s = stats.decode_seconds / max(stats.decode_steps, 1)
     layout = cache_layout(config, llm.placement, dtype_bytes)
-    ideal = decode_bytes(config, llm.placement, layout, args.batch, args.prompt_len, dtype_bytes, params)
+    ideal = decode_bytes(layout, args.batch, args.prompt_len, dtype_bytes, params)
     roofline_s = ideal / bandwidth
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
     mfu = (2 * params * prefill_tps / PEAK_BF16_FLOPS[kind]) if kind else float("nan")

@@ -24,20 +24,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_decode_slots  # noqa: E402
 from pallas_kernels.delta_rule_decode import delta_rule_decode  # noqa: E402
-
-
-def hbm_bandwidth() -> float:
-    x = jnp.ones((2**30,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(times)
 
 
 def inputs(seed: int, kda: bool, batch: int, heads: int, key_heads: int, dim: int):
