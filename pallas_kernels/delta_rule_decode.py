@@ -1,7 +1,8 @@
 """GDN/KDA decode update in Pallas (Triton backend): one token per sequence, state read from and written back to
 the state-slot pool in place.
 
-One program per (row, value head, V-slab). It loads the [K, BV] slab of its row's state (fp32), applies the
+One program per (row, group of value heads, V-slab); the heads of a group run in a loop that Triton pipelines.
+For each head it loads the [K, BV] slab of its row's state (fp32), applies the
 decay (a scalar per head for GDN, a vector over K for KDA), the delta write and the read, and stores the slab
 and the output slab; q/k L2 normalisation and the q scale happen in the kernel. Decode is memory-bound: the
 state is read and written once, nothing else of that size moves. Slabs over V are independent because every
@@ -32,29 +33,40 @@ def supported(q: jax.Array, v: jax.Array, g: jax.Array) -> bool:
     return _is_power_of_two(key_dim) and _is_power_of_two(value_dim) and g.shape[-1] in (1, key_dim)
 
 
-def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *, rep, scale, bv):
+def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *, rep, scale, bv, hp):
     del state_in_ref  # aliased with state_ref: the pool is updated in place
-    row, head, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, group, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[row]
     fresh = fresh_ref[row] != 0
-    key_head = head // rep
     cols = pl.ds(slab * bv, bv)
-    q = q_ref[row, key_head, :].astype(F32)
-    k = k_ref[row, key_head, :].astype(F32)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
-    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    v = v_ref[row, head, cols].astype(F32)
-    decay = jnp.exp(g_ref[row, head, :].astype(F32))  # [1] (GDN) or [K] (KDA)
-    beta = beta_ref[row, head].astype(F32)
-    s = state_ref[slot, head, :, cols]  # [K, BV]
-    s = jnp.where(fresh, jnp.zeros_like(s), s) * decay[:, None]
-    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
-    s = s + k[:, None] * u[None, :]
-    state_ref[slot, head, :, cols] = s
-    o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+
+    def one_head(i, carry):
+        # ``hp`` heads per program, in a loop that Triton can software-pipeline (the next slab loads while this
+        # one is updated): more bytes in flight per SM than one slab per program.
+        head = group * hp + i
+        key_head = head // rep
+        q = q_ref[row, key_head, :].astype(F32)
+        k = k_ref[row, key_head, :].astype(F32)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+        v = v_ref[row, head, cols].astype(F32)
+        decay = jnp.exp(g_ref[row, head, :].astype(F32))  # [1] (GDN) or [K] (KDA)
+        beta = beta_ref[row, head].astype(F32)
+        s = state_ref[slot, head, :, cols]  # [K, BV]
+        s = jnp.where(fresh, jnp.zeros_like(s), s) * decay[:, None]
+        u = beta * (v - jnp.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * u[None, :]
+        state_ref[slot, head, :, cols] = s
+        o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, hp, one_head, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("state_pool",))
+@functools.partial(
+    jax.jit, static_argnames=("block_v", "num_warps", "heads_per_program", "num_stages", "interpret"),
+    donate_argnames=("state_pool",),
+)
 def delta_rule_decode(
     q: jax.Array,
     k: jax.Array,
@@ -64,8 +76,10 @@ def delta_rule_decode(
     state_pool: jax.Array,
     slots: jax.Array,
     fresh: jax.Array,
-    block_v: int = 32,
-    num_warps: int = 4,
+    block_v: int = 64,
+    num_warps: int = 2,
+    heads_per_program: int = 1,
+    num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q, k: [B, H_k, K] raw; v: [B, H, V]; g: [B, H] (GDN) or [B, H, K] (KDA) log decay; beta: [B, H];
@@ -77,13 +91,15 @@ def delta_rule_decode(
     block_v = min(block_v, value_dim)
     if g.ndim == 2:
         g = g[..., None]
-    kernel = functools.partial(_kernel, rep=heads // key_heads, scale=key_dim**-0.5, bv=block_v)
+    if heads % heads_per_program:
+        raise ValueError(f"heads_per_program={heads_per_program} must divide the {heads} heads")
+    kernel = functools.partial(_kernel, rep=heads // key_heads, scale=key_dim**-0.5, bv=block_v, hp=heads_per_program)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, value_dim // block_v),
+        grid=(batch, heads // heads_per_program, value_dim // block_v),
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, F32)),
         input_output_aliases={7: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(slots.astype(jnp.int32), fresh.astype(jnp.int32), q, k, v, g.astype(F32), beta, state_pool)
 
@@ -94,4 +110,9 @@ def decode_slots(q, k, v, g, beta, state_pool, slots, fresh):
 
     if not supported(q, v, g if g.ndim == 3 else g[..., None]):
         return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
+    heads = v.shape[1]
+    if g.ndim == 3 and heads % 4 == 0:
+        # KDA: 4 heads per program, pipelined (best of the sweep in docs/BENCHMARKS.md, H200, 2026-11-22).
+        return delta_rule_decode(q, k, v, g, beta, state_pool, slots, fresh, block_v=64, num_warps=4,
+                                 heads_per_program=4, num_stages=3)
     return delta_rule_decode(q, k, v, g, beta, state_pool, slots, fresh)

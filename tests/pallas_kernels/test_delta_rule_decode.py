@@ -32,11 +32,11 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("block_v", [8, 32])
-def test_kernel_matches_reference_fp32(kda, block_v):
+@pytest.mark.parametrize("block_v, hp", [(8, 1), (32, 1), (16, 2), (32, 4)])
+def test_kernel_matches_reference_fp32(kda, block_v, hp):
     x = _inputs(0, kda)
     o_ref, pool_ref = delta_rule_decode_slots(**x)
-    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), block_v=block_v, interpret=True)
+    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), block_v=block_v, heads_per_program=hp, interpret=True)
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
     untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
     np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(x["state_pool"])[untouched])
