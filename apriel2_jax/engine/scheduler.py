@@ -189,23 +189,14 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-
-        def take(request: Request) -> bool:
-            nonlocal budget
-            length = min(request.pending, cfg.max_chunk, budget)
-            if length <= 0:
-                return False
-            if not self._allocate(request, length, preempted):
-                return False
-            budget -= length
-            rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
-            return True
-
         for request in list(self.running):
             if len(rows) >= cfg.max_prefill_rows or budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING and request.pending > 1:
-                take(request)
+                length = min(request.pending, cfg.max_chunk, budget)
+                if self._allocate(request, length, preempted):
+                    budget -= length
+                    rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
         while self.waiting and len(rows) < cfg.max_prefill_rows and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break

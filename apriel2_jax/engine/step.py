@@ -153,5 +153,4 @@ class StepRunner:
             if progress is not None:
                 progress(f"compiling step {i}/{len(shapes)} (rows={shape[0]}, tokens={shape[1]}) "
                          f"{time.monotonic() - start:.0f}s")
-        cache_manager.metadata_builds -= len(shapes)  # warm-up builds are not serving steps
         return cache

@@ -10,6 +10,7 @@ from ..config import GDNConfig
 from ..dispatch import op
 from ..ops.delta_rule import gdn_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
+from .paged import gather_rows, scatter_rows
 
 
 class GatedDeltaNet(nnx.Module):
@@ -85,11 +86,10 @@ class GatedDeltaNet(nnx.Module):
         """Engine decode, one token per row: the conv state (small) is gathered and scattered by slot; the
         recurrent state is updated in place in the pool (a Pallas kernel on GPU)."""
         qkv, z, beta, g = self._project(x)
-        conv = pool["conv"][batch.slots]
-        conv = jnp.where(batch.fresh[:, None, None], jnp.zeros_like(conv), conv)
+        conv = gather_rows({"conv": pool["conv"]}, batch.slots, batch.fresh)["conv"]
         mixed, conv = conv_forward(self.convolution, qkv, conv, op)
         q, k, v = self._split(mixed)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
         )
-        return self._output(o[:, None], z), {"conv": pool["conv"].at[batch.slots].set(conv), "ssm": ssm}
+        return self._output(o[:, None], z), dict(scatter_rows({"conv": pool["conv"]}, batch.slots, {"conv": conv}), ssm=ssm)

@@ -10,6 +10,7 @@ from ..config import KDAConfig
 from ..dispatch import op
 from ..ops.delta_rule import kda_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
+from .paged import gather_rows, scatter_rows
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -87,12 +88,10 @@ class KimiDeltaAttention(nnx.Module):
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row: conv states gathered/scattered by slot; the recurrent state updated
         in place in the pool (a Pallas kernel on GPU)."""
-        fresh = batch.fresh[:, None, None]
-        rows = {key: jnp.where(fresh, 0, pool[key][batch.slots]).astype(pool[key].dtype) for key in ("conv_q", "conv_k", "conv_v")}
-        q, k, v, convs = self._convs(x, rows.get)
+        conv_pool = {key: pool[key] for key in ("conv_q", "conv_k", "conv_v")}
+        q, k, v, convs = self._convs(x, gather_rows(conv_pool, batch.slots, batch.fresh).get)
         g, beta, gate = self._gates(x)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
         )
-        new = {key: pool[key].at[batch.slots].set(convs[key]) for key in convs}
-        return self._output(o[:, None], gate), dict(new, ssm=ssm)
+        return self._output(o[:, None], gate), dict(scatter_rows(conv_pool, batch.slots, convs), ssm=ssm)

@@ -106,6 +106,7 @@ def test_preemption_mid_prefill_and_mid_decode_gives_the_same_tokens(hybrid, usa
 def test_no_recompilation_after_warm_up(hybrid):
     llm = _engine(hybrid, warm_up=True, buckets=Buckets((1, 4), (4,), (8,)))
     compiled = llm.runner.compilations
+    builds = llm.cache_manager.metadata_builds
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 100, size=n)) for n in (1, 5, 9, 17, 23, 2, 30)]
     params = [SamplingParams(temperature=0.5, top_k=5, seed=i, max_new_tokens=int(m)) for i, m in enumerate([1, 7, 3, 12, 5, 20, 1])]
@@ -113,7 +114,7 @@ def test_no_recompilation_after_warm_up(hybrid):
     assert [len(o.token_ids) for o in outputs] == [1, 7, 3, 12, 5, 20, 1]
     assert llm.runner.compilations == compiled
     # One metadata build per step, shared by every layer (vLLM rebuilt it per KV-cache group).
-    assert llm.cache_manager.metadata_builds == llm.stats.steps > 0
+    assert llm.cache_manager.metadata_builds - builds == llm.stats.steps > 0
 
 
 def test_buckets_larger_than_the_state_slots_stay_in_bounds(hybrid):
