@@ -43,6 +43,9 @@ class Block(nnx.Module):
             mixed, cache = mixer.paged(h, batch, cache)
         elif x.shape[1] == 1 and hasattr(mixer, "paged_decode"):
             mixed, cache = mixer.paged_decode(h, batch, cache)
+        elif x.shape[1] > 1 and hasattr(mixer, "paged_prefill"):
+            # Prefill that reads and writes the slot pool in place (varlen kernels on GPU).
+            mixed, cache = mixer.paged_prefill(h, batch, cache)
         else:
             rows = gather_rows(cache, batch.slots, batch.fresh)
             mixed, rows = mixer(h, batch.positions, rows, token_mask=batch.token_mask)
