@@ -1,0 +1,228 @@
+"""Paged attention for the multi-token (chunked prefill) case in Pallas (Triton backend): flash attention whose
+K/V blocks are read from the page pool through each row's block table.
+
+Same contract as the reference ``apriel2_jax.ops.paged_attention.paged_attention``: q [S, T, H, D] holds T new
+tokens per row (a valid prefix, then padding) at positions ``q_positions``; their K/V are already in the pages.
+``block_table[s, j]`` is the page holding logical page ``first_page[s] + j``, so the key at table column j,
+offset o has position ``(first_page[s] + j) * page_size + o``; entry 0 is the sink (an empty slot).
+
+One program per (q head, query block of ``block_q`` tokens, row). It walks the row's keys in blocks of
+``block_k`` *logical* key indices (not pages), from the first key the block's earliest query can see (window
+start) to the last key its latest query can see (causal end), so neither the pages before the window nor the
+pages after the chunk are read. Each key block is gathered row by row: key index -> (table column, offset) ->
+page id -> row of the flat [P * page_size, G, D] pool, so any page size works; when ``block_k`` divides the page
+size a block lies inside one page and is a single contiguous slice. Scores are fp32 (``precision=HIGHEST`` for
+fp32 operands, so fp32 parity is exact up to summation order); the softmax is the online one, in base 2 with the
+scale folded into one multiply; P is cast to V's dtype for the second matmul, which accumulates in fp32.
+
+Loop bounds come from the min/max of the block's query positions, so they are right for any positions (the
+engine's are consecutive per row; its padding tokens carry positions past the row's valid length, and padding
+rows have all-empty tables). A query that sees no key at all (only possible for padding) outputs zeros, never
+NaN: the running max starts at a finite value and the final normaliser is guarded.
+
+Grid order: heads are the fastest launch dimension, so the H/G query heads that share a KV head run at the same
+time and their K/V reads hit L2; query blocks run last-first, so the longest (causal) programs start first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+_NO_MAX = -1e30  # running-max start: finite, so a fully masked block gives exp2(-inf - _NO_MAX) = 0, not NaN
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def supported(q: jax.Array, k_pages: jax.Array) -> bool:
+    """Shapes the Triton backend can take: loads must have power-of-two element counts (head dim) and dots need
+    K >= 16; the operand dtypes must be ones tensor cores take."""
+    head_dim = q.shape[-1]
+    return (
+        _is_power_of_two(head_dim)
+        and head_dim >= 16
+        and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+        and k_pages.dtype == q.dtype
+    )
+
+
+def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [S, T, H, D], got shape {q.shape}")
+    rows, length, heads, head_dim = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [P, page_size, G, D]; got {k_pages.shape} and {v_pages.shape}")
+    groups = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"head dim of the pages ({k_pages.shape[3]}) differs from q's ({head_dim})")
+    if groups == 0 or heads % groups:
+        raise ValueError(f"the {groups} KV heads must divide the {heads} query heads")
+    if block_table.ndim != 2 or block_table.shape[0] != rows:
+        raise ValueError(f"block_table must be [S={rows}, M], got {block_table.shape}")
+    if first_page.shape != (rows,):
+        raise ValueError(f"first_page must be [S={rows}], got {first_page.shape}")
+    if q_positions.shape != (rows, length):
+        raise ValueError(f"q_positions must be [S, T] = {(rows, length)}, got {q_positions.shape}")
+    for name, x in (("block_table", block_table), ("first_page", first_page), ("q_positions", q_positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+    if not supported(q, k_pages):
+        raise ValueError(
+            f"unsupported shapes/dtypes for the Triton kernel: head dim {head_dim} (power of two >= 16), "
+            f"q {q.dtype}, pages {k_pages.dtype} (same float dtype)"
+        )
+
+
+def _kernel(
+    table_ref, first_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
+    *, block_q, block_k, page_size, width, rep, scale, window, num_q_blocks, precision,
+):
+    head, row = pl.program_id(0), pl.program_id(2)
+    qblock = num_q_blocks - 1 - pl.program_id(1)  # heaviest (latest) query blocks first
+    group = head // rep
+    tokens = pl.ds(qblock * block_q, block_q)
+    q = q_ref[row, tokens, head, :]  # [bq, D]
+    # Positions relative to the row's logical key 0, so a key's logical index is directly comparable.
+    rel = pos_ref[row, tokens] - first_ref[row] * page_size  # [bq]
+
+    last = jnp.minimum(jnp.max(rel), width * page_size - 1)  # last key any query of the block can see
+    last = jnp.maximum(last, -1)
+    stop = (last + block_k) // block_k  # numerator >= 0: no negative floor division
+    if window is None:
+        start = jnp.int32(0)
+    else:
+        start = jnp.maximum(jnp.min(rel) - window + 1, 0) // block_k
+    start = jnp.minimum(start, stop)
+
+    qk_scale = scale * LOG2E
+    lane = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        keys = i * block_k + lane  # logical key indices of this block
+        if page_size % block_k == 0:
+            # The block lies in one page: one table entry, one contiguous slice of the pool.
+            page = table_ref[row, (i * block_k) // page_size]
+            rows_ = pl.ds(page * page_size + (i * block_k) % page_size, block_k)
+            k = k_ref[rows_, group, :]
+            v = v_ref[rows_, group, :]
+            live = jnp.broadcast_to(page != 0, (block_k,))
+        else:
+            col = keys // page_size
+            page = table_ref[row, jnp.minimum(col, width - 1)]  # [bk] gathered table entries
+            page = jnp.where(col < width, page, 0)
+            slots = page * page_size + keys % page_size
+            k = k_ref[slots, group, :]
+            v = v_ref[slots, group, :]
+            live = page != 0
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=F32)
+        s = s * qk_scale
+        visible = (keys[None, :] <= rel[:, None]) & live[None, :]
+        if window is not None:
+            visible = visible & (keys[None, :] > rel[:, None] - window)
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=F32
+        )
+        return acc * alpha[:, None] + pv, m_new, l
+
+    head_dim = q.shape[-1]
+    init = (
+        jnp.zeros((block_q, head_dim), F32),
+        jnp.full((block_q,), _NO_MAX, F32),
+        jnp.zeros((block_q,), F32),
+    )
+    acc, _, l = jax.lax.fori_loop(start, stop, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # l == 0: the query saw no key (padding only)
+    o_ref[row, tokens, head, :] = out.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("window", "block_q", "block_k", "num_warps", "num_stages", "interpret")
+)
+def paged_attention_prefill(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    first_page: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """The kernel. Arguments as in the reference op; returns [S, T, H, D] in q's dtype.
+
+    block_q / block_k: query tokens per program and keys per loop step (powers of two >= 16; block_q is capped
+    at the next power of two of T, and T is padded up to a multiple of it). num_warps / num_stages: Triton's
+    launch width and software-pipelining depth of the key loop."""
+    _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions)
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if not _is_power_of_two(b) or b < 16:
+            raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton loads and dots)")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    rows, length, heads, head_dim = q.shape
+    num_pages, page_size, groups, _ = k_pages.shape
+    width = block_table.shape[1]
+
+    block_q = min(block_q, max(16, _next_power_of_two(length)))
+    padded = -(-length // block_q) * block_q
+    positions = q_positions.astype(jnp.int32)
+    if padded != length:
+        # Padding tokens repeat the last position: they widen no query block's key range.
+        q = jnp.pad(q, ((0, 0), (0, padded - length), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, ((0, 0), (0, padded - length)), mode="edge")
+    num_q_blocks = padded // block_q
+    precision = jax.lax.Precision.HIGHEST if q.dtype == F32 else jax.lax.Precision.DEFAULT
+
+    kernel = functools.partial(
+        _kernel, block_q=block_q, block_k=block_k, page_size=page_size, width=width, rep=heads // groups,
+        scale=head_dim**-0.5, window=window, num_q_blocks=num_q_blocks, precision=precision,
+    )
+    flat = (num_pages * page_size, groups, head_dim)  # a free reshape: pool rows addressed by page * size + offset
+    out = pl.pallas_call(
+        kernel,
+        grid=(heads, num_q_blocks, rows),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(
+        block_table.astype(jnp.int32),
+        first_page.astype(jnp.int32),
+        positions,
+        q,
+        k_pages.reshape(flat),
+        v_pages.reshape(flat),
+    )
+    return out[:, :length] if padded != length else out
+
+
+def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
+    """The dispatch entry: the kernel for multi-token queries whose shapes it supports, the jnp op otherwise
+    (single-token decode belongs to the decode kernel / reference)."""
+    from apriel2_jax.ops.paged_attention import paged_attention as reference
+
+    if q.ndim != 4 or q.shape[1] <= 1 or not supported(q, k_pages):
+        return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    return paged_attention_prefill(q, k_pages, v_pages, block_table, first_page, q_positions, window)
