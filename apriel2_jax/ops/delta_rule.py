@@ -214,3 +214,50 @@ def delta_rule_decode_slots(
     rows = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots])
     out, rows = delta_rule_step(qn, kn, v.astype(F32), decay, beta.astype(F32), rows)
     return out.astype(v.dtype), state_pool.at[slots].set(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prefill over a flat token buffer against a state-slot pool (the engine's layout): the oracle of
+# pallas_kernels.delta_rule_prefill
+
+
+def varlen_view(starts: jax.Array, lengths: jax.Array, max_len: int, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Token index [S, max_len] of every sequence's t-th token (clipped into the buffer) and its validity."""
+    t = jnp.arange(max_len, dtype=jnp.int32)
+    valid = t[None, :] < lengths[:, None]
+    index = jnp.clip(starts[:, None] + t[None, :], 0, num_tokens - 1)
+    return index, valid
+
+
+def delta_rule_varlen_slots(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pool: jax.Array,
+    starts: jax.Array,
+    lengths: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    max_len: int,
+) -> tuple[jax.Array, jax.Array]:
+    """GDN (g: [N, H]) or KDA (g: [N, H, K]) over sequences packed in one token buffer.
+
+    q, k: [N, H_k, K] raw (post-conv); v: [N, H, V]; g: log decay, fp32; beta: [N, H]. Sequence s is tokens
+    ``starts[s] : starts[s] + lengths[s]`` (``lengths[s] <= max_len``, static); it starts from row ``slots[s]`` of
+    ``state_pool`` [P, H, K, V] fp32 (zeros where ``fresh[s]``) and its final state is written back there.
+    Tokens outside every sequence get a zero output. Returns o [N, H, V] in v's dtype and the pool."""
+    num_tokens = q.shape[0]
+    index, valid = varlen_view(starts, lengths, max_len, num_tokens)
+    take = lambda x: x[index]  # noqa: E731  [S, max_len, ...]
+    mask = valid[..., None] if g.ndim == 2 else valid[..., None, None]
+    g_rows = jnp.where(mask, take(g).astype(F32), 0.0)
+    beta_rows = jnp.where(valid[..., None], take(beta), jnp.zeros_like(take(beta)))
+    rows = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots])
+    fn = gated_delta_rule if g.ndim == 2 else kda_delta_rule
+    out, final = fn(take(q), take(k), take(v), g_rows, beta_rows, rows)
+    target = jnp.where(valid, index, num_tokens)  # invalid positions fall off the end and are dropped
+    o = jnp.zeros(v.shape, v.dtype).at[target].set(out, mode="drop")
+    return o, state_pool.at[slots].set(final)

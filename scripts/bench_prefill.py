@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""GDN/KDA chunked prefill on the GPU: our Pallas kernels vs fla's Triton ``chunk_gated_delta_rule`` /
+``chunk_kda`` side by side in one run, plus parity against the jnp reference.
+
+    python scripts/bench_prefill.py [--sweep] [--json PATH]
+    python scripts/bench_prefill.py --dry-run        # tiny shapes, interpret mode, CPU
+
+Shapes (issue 4): GDN (B=1, T=8192, H=16) and (B=8, T=2048, H=32); KDA (B=1, T=8192, H=16); K = V = 128, bf16
+q/k/v, fp32 gates, initial state from the slot pool and final state written back (fla: initial_state +
+output_final_state). Ours packs the B sequences into one token buffer. Times are medians over rotating input
+sets after warm-up. TFLOP/s counts the useful work of the chunked form, 6KV + 2C(3K + 2V) per token and head
+(pallas_landscape.md §4b, no inverse), against a measured bf16 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
+from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
+
+
+def make_inputs(seed, kda, batch, length, heads, dim):
+    rng = np.random.default_rng(seed)
+    n = batch * length
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
+    g_shape = (n, heads, dim) if kda else (n, heads)
+    return dict(
+        q=bf(n, heads, dim), k=bf(n, heads, dim), v=bf(n, heads, dim),
+        g=-jnp.asarray(rng.uniform(0.0, 1.0 if kda else 0.5, g_shape), jnp.float32),
+        beta=jnp.asarray(rng.uniform(0.0, 1.0, (n, heads)), jnp.bfloat16),
+        starts=jnp.arange(batch, dtype=jnp.int32) * length,
+        lengths=jnp.full((batch,), length, jnp.int32),
+        slots=jnp.asarray(rng.permutation(batch) + 1, jnp.int32),
+        fresh=jnp.zeros((batch,), bool),
+    )
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def matmul_peak() -> float:
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * 8192**3 / statistics.median(times)
+
+
+def time_ours(x_sets, pool, iters, **kw):
+    o, pool = delta_rule_prefill(**x_sets[0], state_pool=pool, **kw)
+    pool.block_until_ready()
+    times = []
+    for i in range(iters):
+        t = time.perf_counter()
+        o, pool = delta_rule_prefill(**x_sets[i % len(x_sets)], state_pool=pool, **kw)
+        pool.block_until_ready()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), pool
+
+
+def time_torch(fn, iters):
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="try several block/warp configurations")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    cases = [("gdn", 1, 8192, 16), ("gdn", 8, 2048, 32), ("kda", 1, 8192, 16)]
+    dim = 128
+    if dry:
+        cases, dim, args.iters = [("gdn", 2, 80, 2), ("kda", 1, 70, 2)], 16, 1
+    configs = [dict(block_v=32, num_warps=(4, 4, 4), num_stages=(1, 2, 2))]
+    if args.sweep and not dry:
+        configs += [
+            dict(block_v=bv, num_warps=(w1, w2, 4), num_stages=(1, st, 2))
+            for bv in (16, 32, 64) for w1 in (4,) for w2 in (2, 4) for st in (1, 3)
+        ]
+    if dry:
+        configs = [dict(configs[0], interpret=True, block_v=16)]
+    device = jax.devices()[0].device_kind
+    peak = None if dry else matmul_peak()
+    rows = []
+    for kind, batch, length, heads in cases:
+        kda = kind == "kda"
+        print(f"[{kind} B={batch} T={length} H={heads}] inputs", flush=True)
+        x_sets = [make_inputs(s, kda, batch, length, heads, dim) for s in range(1 if dry else 3)]
+        pool = jnp.asarray(np.random.default_rng(9).standard_normal((batch + 1, heads, dim, dim)) * 0.1, jnp.float32)
+        x = x_sets[0]
+        o_ref, pool_ref = jax.jit(delta_rule_varlen_slots, static_argnames="max_len")(
+            **x, state_pool=pool, max_len=length)
+        o, new_pool = delta_rule_prefill(**x, state_pool=jnp.array(pool, copy=True), **configs[0])
+        err = (rel(o, o_ref), rel(new_pool, pool_ref))
+        print(f"  parity vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
+        fla_s, err_fla = None, None
+        if not dry:
+            import torch
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            from fla.ops.kda import chunk_kda
+
+            t = lambda a: torch.tensor(np.asarray(a.astype(jnp.float32)), device="cuda")  # noqa: E731
+            shape = (batch, length, heads)
+            q, k, v = (t(x[n]).to(torch.bfloat16).reshape(*shape, dim) for n in ("q", "k", "v"))
+            g = t(x["g"]).reshape(*shape, dim) if kda else t(x["g"]).reshape(shape)
+            beta = t(x["beta"]).to(torch.bfloat16).reshape(shape)
+            h0 = t(pool)[np.asarray(x["slots"])].contiguous()
+            fn = chunk_kda if kda else chunk_gated_delta_rule
+
+            def run_fla():
+                return fn(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+
+            o_fla, ht = run_fla()
+            err_fla = (rel(o, o_fla.float().reshape(batch * length, heads, dim).cpu().numpy()),
+                       rel(np.asarray(new_pool)[np.asarray(x["slots"])], ht.float().cpu().numpy()))
+            print(f"  parity vs fla: out {err_fla[0]:.1e} state {err_fla[1]:.1e}", flush=True)
+            fla_s = time_torch(run_fla, args.iters)
+        best = None
+        for cfg in configs:
+            seconds, pool = time_ours(x_sets, pool, args.iters, **cfg)
+            print(f"  {cfg}: {seconds * 1e3:.3f} ms", flush=True)
+            if best is None or seconds < best[0]:
+                best = (seconds, cfg)
+        seconds, cfg = best
+        tokens = batch * length
+        flops = tokens * heads * (6 * dim * dim + 2 * CHUNK * (3 * dim + 2 * dim))
+        row = dict(kernel=f"{kind}_prefill", device=device, date=time.strftime("%Y-%m-%d"),
+                   shape=f"B={batch} T={length} H={heads} K=V={dim}", ours_ms=round(seconds * 1e3, 3),
+                   config=str({k: v for k, v in cfg.items() if k != "interpret"}),
+                   err_vs_jnp=f"{err[0]:.1e}/{err[1]:.1e}")
+        if fla_s is not None:
+            row.update(fla_ms=round(fla_s * 1e3, 3), speedup_vs_fla=round(fla_s / seconds, 3),
+                       ours_TFLOPs=round(flops / seconds / 1e12, 1), pct_peak=round(100 * flops / seconds / peak, 1),
+                       peak_TFLOPs=round(peak / 1e12, 1), err_vs_fla=f"{err_fla[0]:.1e}/{err_fla[1]:.1e}")
+        rows.append(row)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
