@@ -1,0 +1,280 @@
+"""Paged attention for decode (one query token per sequence) in Pallas (Triton backend): flash-decoding over the
+page pool, read through the block tables.
+
+Layout (the same as the reference ``apriel2_jax.ops.paged_attention.paged_attention``): ``k_pages``/``v_pages``
+[P, page_size, G, D]; ``block_table`` [B, M] lists page ids by logical page index from ``first_page[b]``; table
+entries equal to the sink page (0) are empty; a key's position is implied by (logical page, offset).
+
+Design. Decode attention is memory-bound: every visible K/V byte is read once and nothing else of that size
+moves, so the kernel is judged by the fraction of HBM bandwidth it reaches. One program per (row, KV head,
+K-split):
+
+- All ``rep = H / G`` query heads of the KV head are handled together, as the rows of one [R, D] tile (R = rep
+  rounded up to a power of two, at least 16, the minimum dot size): K/V are read once per KV head, not once per
+  query head. Padded rows load zeros and are never stored.
+- The program walks its share of the row's *visible* logical pages only: from
+  ``max(first_page, (p - window + 1) // page_size)`` to ``p // page_size``. Sliding-window rows skip the pages that
+  slid out and short rows skip the table's tail, so the work follows the visible context, not the table width.
+- Each iteration gathers ``pages_per_block`` pages (N = pages_per_block * page_size tokens) with one pointer
+  tensor: token t of the block reads row ``page_id * page_size + offset`` of the pool viewed as
+  [P * page_size, G * D], columns ``g * D ...``. Each token row of one head is D contiguous elements (256 bytes at
+  D = 128, bf16), so loads vectorise and coalesce whatever the page order. Loads are masked per token (keys past
+  the query position, outside the window, in empty table entries, or past the split's end are not read at all and
+  load zeros, so stale or NaN contents of the sink page never reach the output).
+  The loop has a dynamic trip count; Triton software-pipelines it (``num_stages``) with asynchronous copies, which
+  keeps several blocks of K/V in flight per program.
+- Online softmax in fp32 (scores scaled by D^-0.5, exp2 with log2(e) folded in). Masked scores are -inf while the
+  running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
+  which the epilogue turns into a zero output instead of NaN.
+- With one split the program writes the normalised output directly. With several splits each writes its partial
+  (unnormalised accumulator, running max, running sum) in fp32 and a small XLA combine merges them.
+
+Splits: B * G programs already fill the GPU at a large batch; small batches or long contexts need more. The
+default picks the smallest count giving at least ``min_programs`` programs, capped so each split keeps at least
+``min_pages_per_split`` pages of the widest possible visible range. All block sizes are static kwargs so the
+benchmark can sweep them (``scripts/bench_attention.py --sweep``).
+
+fp32 inputs use IEEE (precision HIGHEST) dots so the kernel matches the fp32 reference to ~1e-6; bf16/f16 inputs
+use the tensor cores with fp32 accumulation (more precise than the reference, which rounds scores to bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # finite start for the running max: exp2(-inf - m) = 0 with no inf - inf
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions) -> str | None:
+    """Why the kernel cannot take these inputs (None when it can). Shape errors in the inputs themselves are
+    raised by ``paged_attention_decode``; this only covers what the kernel chooses not to handle."""
+    if q.ndim != 4 or q.shape[1] != 1:
+        return "the kernel handles one query token per sequence (decode)"
+    if k_pages.ndim != 4:
+        return "k_pages must be [P, page_size, G, D]"
+    head_dim = q.shape[-1]
+    page_size = k_pages.shape[1]
+    if not (_is_power_of_two(head_dim) and head_dim >= 16):
+        return f"head_dim {head_dim} must be a power of two >= 16 (Triton loads and dots)"
+    if not _is_power_of_two(page_size):
+        return f"page_size {page_size} must be a power of two"
+    if jnp.dtype(q.dtype) not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        return f"dtypes q={q.dtype} k={k_pages.dtype} v={v_pages.dtype}: need one of f32/bf16/f16 for all three"
+    if k_pages.shape[2] == 0 or q.shape[2] % k_pages.shape[2]:
+        return "the query heads must be a multiple of the KV heads"
+    return None
+
+
+def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [P, page_size, G, D]; got {k_pages.shape}, {v_pages.shape}")
+    batch, _, heads, head_dim = q.shape
+    groups = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the pages ({k_pages.shape[3]}) differ")
+    if groups == 0 or heads % groups:
+        raise ValueError(f"{heads} query heads are not a multiple of {groups} KV heads")
+    if block_table.ndim != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be [B={batch}, M], got {block_table.shape}")
+    if first_page.shape != (batch,):
+        raise ValueError(f"first_page must be [B={batch}], got {first_page.shape}")
+    if q_positions.shape != q.shape[:2]:
+        raise ValueError(f"q_positions must be [B, T]={q.shape[:2]}, got {q_positions.shape}")
+    for name, x in (("block_table", block_table), ("first_page", first_page), ("q_positions", q_positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+
+
+def choose_splits(batch: int, groups: int, max_pages: int, pages_per_block: int,
+                  min_programs: int = 1024, min_pages_per_split: int = 8) -> int:
+    """Number of K-splits: enough programs to fill the GPU (several waves of 132 SMs, so the tail wave is short)
+    without splits so short that the per-split fixed cost and the combine dominate."""
+    want = -(-min_programs // (batch * groups))
+    most = max(1, max_pages // max(min_pages_per_split, pages_per_block))
+    return max(1, min(want, most))
+
+
+def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, rows, page_size, pages_per_block,
+            width, head_dim, window, splits, scale, precision, heads, interpret):
+    b, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block = pages_per_block * page_size
+    pos = pos_ref[b]
+    first = first_ref[b]
+
+    # Logical pages that can hold visible keys: [lo, hi).
+    hi = jnp.clip(pos // page_size + 1, first, first + width)
+    lo = first if window is None else jnp.clip((pos - window + 1) // page_size, first, hi)
+    # This split's share, a whole number of blocks so only the last block of the last split is partial.
+    chunk = pl.cdiv(pl.cdiv(hi - lo, splits), pages_per_block) * pages_per_block
+    start = lo + s * chunk
+    end = jnp.minimum(start + chunk, hi)
+    iters = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    row_ok = r < rep
+    q_rows = jnp.minimum(g * rep + r, g * rep + rep - 1)  # padded rows re-read a real row, then get zeroed
+    cols = jnp.arange(head_dim, dtype=jnp.int32)
+    q = pltriton.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
+    kv_cols = g * head_dim + cols
+
+    tok = jnp.arange(block, dtype=jnp.int32)
+    tok_page = tok // page_size  # page within the block (shifts: page_size is a power of two)
+    tok_off = tok % page_size
+
+    def body(i, carry):
+        acc, m, l = carry
+        logical = start + i * pages_per_block + tok_page  # [N] logical page of each token
+        column = logical - first
+        page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids (repeats hit L1)
+        key_pos = logical * page_size + tok_off
+        valid = (logical < end) & (page != 0) & (key_pos <= pos)
+        if window is not None:
+            valid &= key_pos > pos - window
+        kv_rows = (page * page_size + tok_off)[:, None]
+        k = pltriton.load(k_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
+        v = pltriton.load(v_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=F32)  # [R, N]
+        scores = jnp.where(valid[None, :], scores * (scale * _LOG2E), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(scores - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                                 preferred_element_type=F32)  # [R, D]
+        return acc * alpha[:, None] + pv, m_new, l
+
+    init = (jnp.zeros((rows, head_dim), F32), jnp.full((rows,), _M_INIT, F32), jnp.zeros((rows,), F32))
+    acc, m, l = jax.lax.fori_loop(0, iters, body, init)
+
+    # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
+    # The interpreter instead writes back the old contents at masked lanes, in one scatter, where a duplicate
+    # of a real row could win; there the padded rows point at spare rows past the H real ones.
+    spare = heads + r if interpret else g * rep + rep - 1
+    out_rows = jnp.where(row_ok, g * rep + r, spare)
+    if splits == 1:
+        (o_ref,) = out_refs
+        out = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+        pltriton.store(o_ref.at[b, out_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        pltriton.store(o_ref.at[b, s, out_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None])
+        pltriton.store(m_ref.at[b, s, out_rows], m, mask=row_ok)
+        pltriton.store(l_ref.at[b, s, out_rows], l, mask=row_ok)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "interpret"),
+)
+def paged_attention_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    first_page: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+    *,
+    pages_per_block: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    min_programs: int = 1024,
+    interpret: bool = False,
+) -> jax.Array:
+    """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
+    q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
+
+    pages_per_block: pages gathered per loop iteration (default: 64 tokens' worth, at least 16 tokens for the
+    dot); splits: K-splits per (row, KV head) (default: ``choose_splits``); num_warps / num_stages: Triton's.
+    """
+    _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    reason = unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions)
+    if reason is not None:
+        raise ValueError(f"paged_attention_decode: {reason}")
+    batch, _, heads, head_dim = q.shape
+    num_pages, page_size, groups, _ = k_pages.shape
+    width = block_table.shape[1]
+    rep = heads // groups
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    pages_per_block = max(pages_per_block, -(-16 // page_size))  # N >= 16 for the dots
+    if not _is_power_of_two(pages_per_block):
+        raise ValueError(f"pages_per_block={pages_per_block} must be a power of two (Triton block sizes)")
+    max_pages = width if window is None else min(width, -(-window // page_size) + 1)
+    if splits is None:
+        splits = choose_splits(batch, groups, max_pages, pages_per_block, min_programs)
+    if splits < 1:
+        raise ValueError(f"splits={splits} must be >= 1")
+
+    rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
+    kernel = functools.partial(
+        _kernel, rep=rep, rows=rows, page_size=page_size,
+        pages_per_block=pages_per_block, width=width, head_dim=head_dim, window=window, splits=splits,
+        scale=head_dim**-0.5,
+        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None, heads=heads, interpret=interpret,
+    )
+    out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((batch, out_heads, head_dim), q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, splits, out_heads, head_dim), F32),
+            jax.ShapeDtypeStruct((batch, splits, out_heads), F32),
+            jax.ShapeDtypeStruct((batch, splits, out_heads), F32),
+        )
+    # Pool viewed as token rows [P * page_size, G * D] (a free reshape): one gather index per token.
+    k_rows = k_pages.reshape(num_pages * page_size, groups * head_dim)
+    v_rows = v_pages.reshape(num_pages * page_size, groups * head_dim)
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, groups, splits),
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_decode_ps{page_size}_ppb{pages_per_block}_s{splits}",
+    )(q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32),
+      q[:, 0], k_rows, v_rows)
+    if splits == 1:
+        return out[:, None, :heads]
+    acc, m, l = (x[:, :, :heads] for x in out)
+    # Merge the splits (flash-decoding): rescale each split to the common max. Empty splits have m = -1e30 and
+    # l = 0, so they weigh nothing; a row with no visible key at all gets l = 0 and a zero output.
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp2(m - m_max)
+    l_sum = jnp.sum(w * l, axis=1)
+    o_sum = jnp.sum(w[..., None] * acc, axis=1)
+    o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
+    return o.astype(q.dtype)[:, None]
+
+
+def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
+    """The dispatch entry (the reference op's signature): the decode kernel for one query token per sequence when
+    the Triton backend can take the shapes, the jnp reference op otherwise (prefill, odd head dims, ...)."""
+    if unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions) is not None:
+        from apriel2_jax.ops.paged_attention import paged_attention as reference
+
+        return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    return paged_attention_decode(q, k_pages, v_pages, block_table, first_page, q_positions, window)

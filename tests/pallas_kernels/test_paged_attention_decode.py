@@ -1,0 +1,127 @@
+"""Pallas paged decode attention (Triton backend): interpret mode against the jnp reference at small shapes, and
+cross-lowering for CUDA at the production shape. Kept small: the interpreter costs ~1 s per compiled config."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from apriel2_jax.ops.paged_attention import paged_attention as reference
+from pallas_kernels.paged_attention_decode import paged_attention, paged_attention_decode, unsupported_reason
+
+PAGES = 24
+WIDTH = 6
+
+
+def _inputs(seed, heads, groups, page_size, head_dim=16, dtype=jnp.float32):
+    """Four rows: 0 and 1 share their first two pages (out of order in the pool) and have contexts that are not a
+    multiple of the page size; row 2 starts at logical page 2 (a window family that dropped two pages) with an
+    empty entry inside its table; row 3 is all padding (table of sink pages)."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    perm = rng.permutation(np.arange(1, PAGES))
+    table = np.zeros((4, WIDTH), np.int32)
+    table[0, :4] = perm[[0, 1, 2, 3]]
+    table[1, :6] = perm[[0, 1, 4, 5, 6, 7]]
+    table[2, :4] = perm[[8, 9, 10, 11]]
+    table[2, 1] = 0  # an empty entry: its keys are masked
+    first_page = np.array([0, 0, 2, 0], np.int32)
+    ps = page_size
+    positions = np.array([3 * ps + ps // 2 - 1, 5 * ps + 2, (2 + 3) * ps + ps - 3, 0], np.int32)
+    return dict(
+        q=f(4, 1, heads, head_dim),
+        k_pages=f(PAGES, page_size, groups, head_dim),
+        v_pages=f(PAGES, page_size, groups, head_dim),
+        block_table=jnp.asarray(table),
+        first_page=jnp.asarray(first_page),
+        q_positions=jnp.asarray(positions[:, None]),
+    )
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _check(x, window, tol, **kw):
+    out = paged_attention_decode(**x, window=window, interpret=True, **kw)
+    assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
+    ref = reference(**x, window=window)
+    assert _rel(out[:3], ref[:3]) <= tol
+    # The all-padding row sees no key: finite zeros (the reference averages the sink page there).
+    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
+    return out
+
+
+@pytest.mark.parametrize(
+    "heads, groups, page_size, window, kw",
+    [
+        (2, 2, 16, None, {}),  # MHA (rep 1), auto splits
+        (8, 2, 8, 20, dict(splits=2)),  # rep 4, window shorter than the context, 2 pages per block
+        (7, 1, 16, 1000, dict(splits=3, pages_per_block=2)),  # rep 7 (padded to 16 rows), window past the context
+    ],
+)
+def test_matches_reference_fp32(heads, groups, page_size, window, kw):
+    _check(_inputs(0, heads, groups, page_size), window, 1e-5, **kw)
+
+
+def test_bf16():
+    _check(_inputs(1, 8, 2, 16, dtype=jnp.bfloat16), 24, 1e-2, splits=2)
+
+
+def test_stale_sink_and_out_of_window_pages_are_never_read():
+    """NaN in the sink page and in a page that slid out of the window must not reach the output: masked loads."""
+    x = _inputs(2, 8, 2, 16)
+    clean = paged_attention_decode(**x, window=40, splits=2, interpret=True)
+    stale = int(x["block_table"][0, 0])  # row 0's first page: outside a 40-token window at position 55
+    poisoned = x["k_pages"].at[0].set(jnp.nan).at[stale].set(jnp.nan)
+    out = paged_attention_decode(**dict(x, k_pages=poisoned, v_pages=x["v_pages"].at[0].set(jnp.nan)), window=40,
+                                 splits=2, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_entry_falls_back_for_prefill_and_unsupported_shapes():
+    x = _inputs(3, 4, 2, 16)
+    prefill = dict(x, q=jnp.concatenate([x["q"], x["q"]], axis=1),
+                   q_positions=jnp.concatenate([x["q_positions"] - 1, x["q_positions"]], axis=1))
+    assert unsupported_reason(**prefill) is not None
+    np.testing.assert_array_equal(np.asarray(paged_attention(**prefill)), np.asarray(reference(**prefill)))
+    odd = _inputs(3, 4, 2, 16, head_dim=12)
+    assert "head_dim" in unsupported_reason(**odd)
+    np.testing.assert_array_equal(np.asarray(paged_attention(**odd, window=8)), np.asarray(reference(**odd, window=8)))
+
+
+def test_bad_inputs_raise():
+    x = _inputs(4, 4, 2, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_decode(**dict(x, q=x["q"][:, :, :3]), interpret=True)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_attention_decode(**dict(x, block_table=x["block_table"][:2]), interpret=True)
+    with pytest.raises(ValueError, match="pages_per_block"):
+        paged_attention_decode(**x, pages_per_block=3, interpret=True)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention_decode(**x, window=0, interpret=True)
+
+
+@pytest.mark.parametrize("page_size, window", [(64, None), (16, None), (64, 1024)])
+def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
+    """64 sequences at 4096 tokens, 32 query heads over 8 KV heads, D = 128, bf16."""
+    S = jax.ShapeDtypeStruct
+    batch, heads, groups, dim, context = 64, 32, 8, 128, 4096
+    width = context // page_size
+    pages = batch * width + 1
+    args = (
+        S((batch, 1, heads, dim), jnp.bfloat16),
+        S((pages, page_size, groups, dim), jnp.bfloat16),
+        S((pages, page_size, groups, dim), jnp.bfloat16),
+        S((batch, width), jnp.int32),
+        S((batch,), jnp.int32),
+        S((batch, 1), jnp.int32),
+    )
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for kw in ({}, dict(splits=1)):
+            lowered = paged_attention_decode.trace(*args, window=window, **kw).lower(lowering_platforms=("cuda",))
+            assert "triton" in lowered.as_text().lower()
