@@ -98,19 +98,25 @@ def _kernel(
     # Positions relative to the row's logical key 0, so a key's logical index is directly comparable.
     rel = pos_ref[row, tokens] - first_ref[row] * page_size  # [bq]
 
-    last = jnp.minimum(jnp.max(rel), width * page_size - 1)  # last key any query of the block can see
-    last = jnp.maximum(last, -1)
+    first_q, last_q = jnp.min(rel), jnp.max(rel)
+    last = jnp.maximum(jnp.minimum(last_q, width * page_size - 1), -1)  # last key any query of the block sees
     stop = (last + block_k) // block_k  # numerator >= 0: no negative floor division
     if window is None:
         start = jnp.int32(0)
     else:
-        start = jnp.maximum(jnp.min(rel) - window + 1, 0) // block_k
-    start = jnp.minimum(start, stop)
+        start = jnp.minimum(jnp.maximum(first_q - window + 1, 0) // block_k, stop)
+    # Blocks every query of the block sees whole (all keys <= first_q, and > last_q - window) need no causal or
+    # window mask: only the empty-page bias. They form [lo, hi) inside [start, stop); the rest (the diagonal,
+    # the window's trailing edge) take the full mask.
+    hi = jnp.maximum(first_q + 1, 0) // block_k
+    lo = start if window is None else (jnp.maximum(last_q - window + 1, 0) + block_k - 1) // block_k
+    lo = jnp.clip(lo, start, stop)
+    hi = jnp.clip(hi, lo, stop)
 
     qk_scale = scale * LOG2E
     lane = jnp.arange(block_k, dtype=jnp.int32)
 
-    def body(i, carry):
+    def body(i, carry, masked):
         acc, m, l = carry
         keys = i * block_k + lane  # logical key indices of this block
         if page_size % block_k == 0:
@@ -119,7 +125,6 @@ def _kernel(
             rows_ = pl.ds(page * page_size + (i * block_k) % page_size, block_k)
             k = k_ref[rows_, group, :]
             v = v_ref[rows_, group, :]
-            live = jnp.broadcast_to(page != 0, (block_k,))
         else:
             col = keys // page_size
             page = table_ref[row, jnp.minimum(col, width - 1)]  # [bk] gathered table entries
@@ -127,13 +132,15 @@ def _kernel(
             slots = page * page_size + keys % page_size
             k = k_ref[slots, group, :]
             v = v_ref[slots, group, :]
-            live = page != 0
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=F32)
-        s = s * qk_scale
-        visible = (keys[None, :] <= rel[:, None]) & live[None, :]
-        if window is not None:
-            visible = visible & (keys[None, :] > rel[:, None] - window)
-        s = jnp.where(visible, s, -jnp.inf)
+        # Empty pages (table entry 0) as a -inf bias: scalar or [bk], one fused multiply-add on the scores.
+        # (Typed constants: the Triton lowering mis-types weak-typed scalar literals in a select.)
+        s = s * qk_scale + jnp.where(page != 0, F32(0.0), F32(-jnp.inf))
+        if masked:
+            visible = keys[None, :] <= rel[:, None]
+            if window is not None:
+                visible = visible & (keys[None, :] > rel[:, None] - window)
+            s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -144,12 +151,16 @@ def _kernel(
         return acc * alpha[:, None] + pv, m_new, l
 
     head_dim = q.shape[-1]
-    init = (
+    carry = (
         jnp.zeros((block_q, head_dim), F32),
         jnp.full((block_q,), _NO_MAX, F32),
         jnp.zeros((block_q,), F32),
     )
-    acc, _, l = jax.lax.fori_loop(start, stop, body, init)
+    masked_body = functools.partial(body, masked=True)
+    if window is not None:
+        carry = jax.lax.fori_loop(start, lo, masked_body, carry)  # the window's trailing edge
+    carry = jax.lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
+    acc, _, l = jax.lax.fori_loop(hi, stop, masked_body, carry)  # the causal diagonal (and padding's tail)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # l == 0: the query saw no key (padding only)
     o_ref[row, tokens, head, :] = out.astype(o_ref.dtype)
 
