@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .conv import varlen_rows
 from .norms import F32, softplus
 
 
@@ -109,3 +110,63 @@ def selective_scan_step(
     y = jnp.sum(state * _expand(C.astype(F32), channels), axis=-1)
     y = (y + D.astype(F32) * u32) * jax.nn.silu(z.astype(F32))
     return y.astype(u.dtype), state
+
+
+def selective_scan_varlen_slots(
+    u: jax.Array,
+    delta: jax.Array,
+    A_log: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array,
+    z: jax.Array,
+    dt_bias: jax.Array | None,
+    state_pool: jax.Array,
+    starts: jax.Array,
+    lengths: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    max_len: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Varlen form over the engine's state-slot pool (the oracle of the Pallas kernel).
+
+    Per-token arrays are flat: u, delta, z [N_tokens, Din]; B [N_tokens, n_groups, N]; C [N_tokens, n_heads, N].
+    Sequence s = tokens starts[s] .. starts[s]+lengths[s]-1 (lengths may be 0); state_pool [N_slots, Din, N] fp32;
+    slots [S] pool row per sequence; fresh [S] bool, start from zeros instead of the pool row; max_len: static
+    bound on lengths (longer sequences would be truncated).
+    Returns y [N_tokens, Din] (zeros at tokens no sequence covers) and the pool with rows ``slots`` of
+    sequences with lengths > 0 replaced by their final states; rows of empty sequences are left untouched.
+    """
+    n_tokens = u.shape[0]
+    gather, scatter, mask = varlen_rows(starts, lengths, max_len, n_tokens)
+    rows = state_pool[slots]
+    init = jnp.where(fresh[:, None, None], jnp.zeros_like(rows), rows)
+    y, final = selective_scan(
+        u[gather], delta[gather], A_log, B[gather], C[gather], D, z[gather], dt_bias, init, mask=mask
+    )
+    y_flat = jnp.zeros_like(u).at[scatter].set(y, mode="drop")
+    write = jnp.where(lengths > 0, slots, state_pool.shape[0])
+    return y_flat, state_pool.at[write].set(final, mode="drop")
+
+
+def selective_scan_decode_slots(
+    u: jax.Array,
+    delta: jax.Array,
+    A_log: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array,
+    z: jax.Array,
+    dt_bias: jax.Array | None,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row against the slot pool. u, delta, z: [S, Din]; B: [S, n_groups, N]; C: [S, n_heads, N];
+    state_pool: [N_slots, Din, N] fp32. Every row writes its slot (padding rows write the sink slot 0).
+    Returns y [S, Din] and the pool."""
+    rows = state_pool[slots]
+    rows = jnp.where(fresh[:, None, None], jnp.zeros_like(rows), rows)
+    y, rows = selective_scan_step(u, delta, A_log, B, C, D, z, dt_bias, rows)
+    return y, state_pool.at[slots].set(rows)
