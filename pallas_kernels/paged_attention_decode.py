@@ -116,8 +116,10 @@ def choose_splits(batch: int, groups: int, max_pages: int, pages_per_block: int,
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, rows, page_size, pages_per_block,
-            width, head_dim, window, splits, scale, precision, heads, interpret):
-    b, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            width, head_dim, window, splits, scale, precision, heads, interpret, prefetch_ids):
+    # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
+    # run together read whole [G * D] token rows of the pool between them (DRAM locality).
+    g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = pages_per_block * page_size
     pos = pos_ref[b]
     first = first_ref[b]
@@ -142,15 +144,26 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
     tok_page = tok // page_size  # page within the block (shifts: page_size is a power of two)
     tok_off = tok % page_size
 
-    def body(i, carry):
-        acc, m, l = carry
+    def block_pages(i):
+        """Page ids [N] of block i's tokens and the tokens' visibility."""
         logical = start + i * pages_per_block + tok_page  # [N] logical page of each token
-        column = logical - first
-        page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids (repeats hit L1)
+        page = table_ref[b, jnp.clip(logical - first, 0, width - 1)]  # [N] page ids (repeats hit L1)
         key_pos = logical * page_size + tok_off
         valid = (logical < end) & (page != 0) & (key_pos <= pos)
         if window is not None:
             valid &= key_pos > pos - window
+        return page, valid
+
+    def body(i, carry):
+        acc, m, l = carry[:3]
+        if prefetch_ids:
+            # The ids came from the previous iteration: the K/V addresses do not wait on a load of this one, so
+            # Triton's pipeliner can put the K/V copies in its first stage and keep more blocks in flight.
+            page, valid = carry[3:]
+            carry_next = block_pages(i + 1)
+        else:
+            page, valid = block_pages(i)
+            carry_next = ()
         kv_rows = (page * page_size + tok_off)[:, None]
         k = pltriton.load(k_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
         v = pltriton.load(v_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
@@ -163,10 +176,12 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=F32)  # [R, D]
-        return acc * alpha[:, None] + pv, m_new, l
+        return (acc * alpha[:, None] + pv, m_new, l, *carry_next)
 
     init = (jnp.zeros((rows, head_dim), F32), jnp.full((rows,), _M_INIT, F32), jnp.zeros((rows,), F32))
-    acc, m, l = jax.lax.fori_loop(0, iters, body, init)
+    if prefetch_ids:
+        init += block_pages(0)
+    acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
 
     # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
     # The interpreter instead writes back the old contents at masked lanes, in one scatter, where a duplicate
@@ -186,7 +201,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "interpret"),
+    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret"),
 )
 def paged_attention_decode(
     q: jax.Array,
@@ -202,6 +217,7 @@ def paged_attention_decode(
     num_warps: int = 4,
     num_stages: int = 3,
     min_programs: int = 1024,
+    prefetch_ids: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
@@ -235,6 +251,7 @@ def paged_attention_decode(
         pages_per_block=pages_per_block, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None, heads=heads, interpret=interpret,
+        prefetch_ids=prefetch_ids,
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:
@@ -250,7 +267,7 @@ def paged_attention_decode(
     v_rows = v_pages.reshape(num_pages * page_size, groups * head_dim)
     out = pl.pallas_call(
         kernel,
-        grid=(batch, groups, splits),
+        grid=(groups, splits, batch),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Paged attention benchmark on the GPU: the Pallas decode kernel against the jnp reference op and JAX's own
+(deprecated) Triton-Pallas paged attention, with parity and HBM-bandwidth figures.
+
+    python scripts/bench_attention.py                       # decode section, all cases, default kernel config
+    python scripts/bench_attention.py --sweep --json out.json   # also sweep block configs, report the best
+    python scripts/bench_attention.py --dry-run             # tiny shapes, interpret mode, CPU: checks the script
+
+Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
+in the engine's layout [P, page_size, G, D] with block tables in a random page order. Cases: contexts 1024, 4096
+and 16384 at page size 64, 4096 at page size 16, and a sliding-window family (window 4096 at context 16384, whose
+table keeps only the window's pages, as the engine does). Contexts are jittered by up to one page so rows end
+mid-page.
+
+Each timing is the median over several trials of (a run of back-to-back calls / calls), after warm-up, cycling
+over ``--pools`` independent K/V pools (and tables and queries) so the 50 MB L2 never holds the next call's
+K/V. Bytes = the K/V bytes a row can see (its visible keys x G x D x 2 tensors x 2 bytes), which is the floor
+any kernel must read; TB/s and % of the measured HBM bandwidth (``apriel2_jax.benchmarking.hbm_bandwidth``)
+follow from it. Parity: relative max error vs the jnp reference op; the kernel's output buffer is requested
+right after freeing a NaN-filled buffer of the same size, so unwritten elements would likely show as NaN.
+
+JAX's op takes [G, P, page_size, D] pages and lengths instead of positions (converted once, outside the
+timing); it has no sliding window or first page, so on the window case it runs over the same window table with
+lengths measured from the table's start (same bytes, not the same mask: timing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
+from pallas_kernels.paged_attention_decode import choose_splits, paged_attention_decode  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_case(rng, batch, heads, groups, dim, context, page_size, window, dtype):
+    """One pool, its block tables, queries and positions. Window families keep only the pages that can hold
+    keys inside the window (width = ceil(window / page_size) + 1) and start their tables at first_page."""
+    positions = context - 1 - rng.integers(0, page_size, batch)
+    if window is None:
+        width = -(-context // page_size)
+        first = np.zeros(batch, np.int64)
+    else:
+        width = -(-window // page_size) + 1
+        first = np.maximum((positions - window + 1) // page_size, 0)
+    last = positions // page_size  # last logical page of each row
+    num_pages = batch * width + 1  # page 0: the sink
+    perm = rng.permutation(np.arange(1, num_pages)).reshape(batch, width)
+    cols = np.arange(width)[None, :]
+    table = np.where(first[:, None] + cols <= last[:, None], perm, 0).astype(np.int32)
+    shape = (num_pages, page_size, groups, dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    q = jnp.asarray(rng.standard_normal((batch, 1, heads, dim), np.float32), dtype)
+    visible = positions + 1 if window is None else np.minimum(positions + 1, window)
+    nbytes = int(visible.sum()) * groups * dim * 2 * jnp.dtype(dtype).itemsize
+    return dict(q=q, k_pages=k, v_pages=v, block_table=jnp.asarray(table), first_page=jnp.asarray(first, jnp.int32),
+                q_positions=jnp.asarray(positions[:, None], jnp.int32)), nbytes
+
+
+def time_calls(fn, sets, trials, calls):
+    """Median over trials of the mean time of ``calls`` back-to-back calls (one sync per trial), cycling inputs."""
+    jax.block_until_ready(fn(sets[0]))  # compile
+    for s in sets:
+        jax.block_until_ready(fn(s))  # warm-up
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(sets[i % len(sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def nan_primed(fn, x, shape, dtype):
+    """Run ``fn(x)`` right after freeing a NaN-filled buffer of the output's size (the allocator tends to hand
+    it back), so elements the kernel failed to write would read NaN."""
+    junk = jnp.full(shape, jnp.nan, dtype)
+    junk.block_until_ready()
+    del junk
+    return jax.block_until_ready(fn(x))
+
+
+def jax_baseline(interpret):
+    """JAX's deprecated Triton-Pallas paged attention, or the import error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    except Exception as e:  # noqa: BLE001  (any import failure is reported, not fatal)
+        return None, f"import failed: {type(e).__name__}: {e}"
+    return jax_pa, None
+
+
+def jax_inputs(x, page_size):
+    """JAX's layout: pages [G, P, page_size, D], q [B, H, D] pre-scaled by D^-0.5 (JAX's op does not scale),
+    lengths = tokens from the table's start."""
+    lengths = x["q_positions"][:, 0] + 1 - x["first_page"] * page_size
+    q = x["q"][:, 0]
+    return dict(q=(q * q.shape[-1] ** -0.5).astype(q.dtype), k_pages=jnp.transpose(x["k_pages"], (2, 0, 1, 3)),
+                v_pages=jnp.transpose(x["v_pages"], (2, 0, 1, 3)), block_tables=x["block_table"],
+                lengths=lengths.astype(jnp.int32))
+
+
+def jax_k_splits(width, want=16):
+    """JAX's op needs k_splits to divide the table width."""
+    return max(d for d in range(1, min(want, width) + 1) if width % d == 0)
+
+
+def sweep_configs(page_size, dry_run, full):
+    """(pages_per_block, num_warps, num_stages, splits, prefetch_ids) configurations; splits None = automatic."""
+    if dry_run:
+        return [(max(1, 32 // page_size), 4, 2, 2, True), (max(1, 32 // page_size), 4, 2, 1, False)]
+    blocks = sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
+    if not full:
+        return [(blocks[0], 4, 3, s, True) for s in (1, 2, 4, 8)]
+    configs = [(ppb, nw, ns, s, True) for ppb in blocks for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4))
+               for s in (1, 2, 4, 8)]
+    configs.append((blocks[0], 4, 3, None, False))  # the table load left in the pipelined loop
+    return configs
+
+
+def decode_section(args, bandwidth):
+    dry = args.dry_run
+    dtype = jnp.bfloat16
+    if dry:
+        batch, heads, groups, dim = 2, 8, 2, 16
+        cases = [(64, 16, None), (48, 8, None), (96, 16, 32)]
+    else:
+        batch, heads, groups, dim = args.batch, 32, 8, 128
+        cases = [(4096, 64, None), (1024, 64, None), (16384, 64, None), (4096, 16, None), (16384, 64, 4096)]
+    trials, calls = (1, 2) if dry else (args.trials, args.calls)
+    jax_pa, jax_error = jax_baseline(dry)
+    if jax_error:
+        log(f"JAX deprecated paged attention unavailable: {jax_error}")
+    rows = []
+    for case_index, (context, page_size, window) in enumerate(cases):
+        label = f"ctx={context} ps={page_size}" + (f" window={window}" if window else "")
+        log(f"[decode] {label}: building {args.pools} pools ...")
+        rng = np.random.default_rng(case_index)
+        built = [make_case(rng, batch, heads, groups, dim, context, page_size, window, dtype) for _ in range(args.pools)]
+        sets = [b[0] for b in built]
+        nbytes = statistics.mean(b[1] for b in built)
+        width = sets[0]["block_table"].shape[1]
+
+        ref_fn = jax.jit(lambda x: reference_op(**x, window=window))
+        ref_out = jax.block_until_ready(ref_fn(sets[0]))
+
+        def ours(cfg):
+            ppb, nw, ns, splits, prefetch = cfg
+            return jax.jit(lambda x: paged_attention_decode(
+                **x, window=window, pages_per_block=ppb, splits=splits, num_warps=nw, num_stages=ns,
+                prefetch_ids=prefetch, interpret=dry))
+
+        default_ppb = max(1, 64 // page_size)
+        max_pages = width if window is None else min(width, -(-window // page_size) + 1)
+        auto_splits = choose_splits(batch, groups, max_pages, default_ppb)
+        configs = [(default_ppb, 4, 3, None, True)]
+        if args.sweep:
+            configs += sweep_configs(page_size, dry, full=case_index == 0)
+        results = []
+        for cfg in configs:
+            try:
+                fn = ours(cfg)
+                seconds = time_calls(fn, sets, trials, calls)
+                results.append((seconds, cfg, fn))
+                log(f"  ours ppb={cfg[0]} warps={cfg[1]} stages={cfg[2]} splits={cfg[3] or f'auto({auto_splits})'} "
+                    f"prefetch={cfg[4]}: {seconds * 1e6:.1f} us, {nbytes / seconds / 1e12:.3f} TB/s")
+            except Exception as e:  # noqa: BLE001  (a config the GPU cannot take, e.g. too much shared memory)
+                log(f"  ours {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+        default_s, default_cfg, default_fn = results[0] if results and results[0][1] == configs[0] else (None,) * 3
+        best_s, best_cfg, best_fn = min(results, key=lambda r: r[0]) if results else (None,) * 3
+
+        def parity(fn):
+            out = nan_primed(fn, sets[0], ref_out.shape, ref_out.dtype)
+            return rel_err(out, ref_out)
+
+        err_default = parity(default_fn) if default_fn else float("nan")
+        err_best = parity(best_fn) if best_fn else float("nan")
+        log(f"  parity vs jnp: default {err_default:.1e}, best {err_best:.1e}")
+
+        log("  jnp reference ...")
+        ref_s = time_calls(ref_fn, sets, trials, calls)
+
+        jax_s, jax_note = None, jax_error or ""
+        if jax_pa is not None:
+            try:
+                jsets = [jax_inputs(x, page_size) for x in sets]
+                k_splits = jax_k_splits(width)
+                jfn = jax.jit(lambda x: jax_pa.paged_attention(**x, k_splits=k_splits, interpret=dry))
+                jout = jax.block_until_ready(jfn(jsets[0]))
+                jax_note = "timing only (no window)" if window else f"err {rel_err(jout[:, None], ref_out):.1e}"
+                jax_s = time_calls(jfn, jsets, trials, calls)
+                del jsets
+            except Exception as e:  # noqa: BLE001
+                jax_note = f"failed: {type(e).__name__}: {str(e)[:160]}"
+            log(f"  jax deprecated: {jax_note}" + (f", {jax_s * 1e6:.1f} us" if jax_s else ""))
+
+        def tbps(s):
+            return None if s is None else round(nbytes / s / 1e12, 3)
+
+        def pct(s):
+            return None if s is None or not bandwidth else round(100 * nbytes / s / bandwidth, 1)
+
+        def us(s):
+            return None if s is None else round(s * 1e6, 1)
+
+        cfg_name = (lambda c: None if c is None else
+                    f"ppb={c[0]} w={c[1]} st={c[2]} sp={c[3] or f'auto({auto_splits})'}{'' if c[4] else ' noprefetch'}")
+        rows.append(dict(
+            case=label, batch=batch, heads=f"{heads}/{groups}", dim=dim, MB=round(nbytes / 1e6, 1),
+            ours_us=us(default_s), ours_TBps=tbps(default_s), ours_pct_hbm=pct(default_s), ours_err=f"{err_default:.1e}",
+            best_us=us(best_s), best_TBps=tbps(best_s), best_pct_hbm=pct(best_s), best_err=f"{err_best:.1e}",
+            best_cfg=cfg_name(best_cfg), jnp_us=us(ref_s), jnp_TBps=tbps(ref_s), jax_us=us(jax_s), jax_TBps=tbps(jax_s),
+            jax_note=jax_note,
+        ))
+        del sets, built, results, default_fn, best_fn
+        gc.collect()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--section", default="all", choices=["all", "decode"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--pools", type=int, default=3, help="independent K/V pools cycled through (defeats L2)")
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per trial")
+    ap.add_argument("--sweep", action="store_true", help="sweep kernel block configs (full grid on the first case)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode on CPU")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        jax.config.update("jax_platforms", "cpu")
+        args.pools = min(args.pools, 2)
+    device = jax.devices()[0].device_kind
+    log(f"device: {device}, jax {jax.__version__}")
+    bandwidth = None
+    if not args.dry_run:
+        log("measuring HBM bandwidth ...")
+        bandwidth = hbm_bandwidth()
+        log(f"HBM bandwidth: {bandwidth / 1e12:.3f} TB/s")
+    started = time.perf_counter()
+    rows = []
+    if args.section in ("all", "decode"):
+        rows += decode_section(args, bandwidth)
+    for r in rows:
+        r.update(device=device, date=time.strftime("%Y-%m-%d"),
+                 hbm_TBps=None if bandwidth is None else round(bandwidth / 1e12, 3))
+    keys = list(rows[0])
+    log(f"\ndone in {time.perf_counter() - started:.0f} s\n")
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
