@@ -44,8 +44,9 @@ class Mamba(nnx.Module):
         x = x.reshape(batch, length, groups, self.cfg.state_size)
         return jnp.repeat(x, rep, axis=2).reshape(batch, length, self.cfg.d_inner)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
-        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
+    def _project(self, x: jax.Array):
+        """Input projections: z [.., T, Din], pre-conv x [.., T, D_xb], B [.., T, groups, N], C [.., T, heads, N],
+        delta [.., T, Din] and the scan's dt bias (None without dt_proj.bias)."""
         cfg = self.cfg
         batch, length, _ = x.shape
         d_in, d_xb, n = cfg.d_inner, cfg.d_xb, cfg.state_size
@@ -55,6 +56,18 @@ class Mamba(nnx.Module):
         xs = zxbc[..., d_in : d_in + d_xb]
         b = zxbc[..., d_in + d_xb : d_in + 2 * d_xb].reshape(batch, length, groups, n)
         c = zxbc[..., d_in + 2 * d_xb :].reshape(batch, length, d_in // n, n)
+        delta = self.dt_proj(self.dt_in_proj(x))
+        # QUIRK (spec §2.8): ``delta`` already contains dt_proj.bias and the scan adds it again, as the reference
+        # (Apriel-H1, Fast-LLM) passes dt_proj.bias as the selective scan's delta_bias too.
+        dt_bias = None if self.dt_proj.bias is None else self.dt_proj.bias[...]
+        return z, xs, b, c, delta, dt_bias
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
+        """token_mask: [B, T], False for right-padding tokens, which leave both states untouched."""
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        d_in, n = cfg.d_inner, cfg.state_size
+        z, xs, b, c, delta, dt_bias = self._project(x)
         conv_state = None if state is None else state["conv"]
         lengths = None if token_mask is None else jnp.sum(token_mask, axis=1)
         if cfg.repeat_kv_before_conv:
@@ -62,10 +75,6 @@ class Mamba(nnx.Module):
         else:
             u, conv_state = conv_forward(self.conv1d, xs, conv_state, op, lengths)
             u = self._repeat_groups(u)
-        delta = self.dt_proj(self.dt_in_proj(x))
-        # QUIRK (spec §2.8): ``delta`` already contains dt_proj.bias and the scan adds it again, as the reference
-        # (Apriel-H1, Fast-LLM) passes dt_proj.bias as the selective scan's delta_bias too.
-        dt_bias = None if self.dt_proj.bias is None else self.dt_proj.bias[...]
         ssm = jnp.zeros((batch, d_in, n), jnp.float32) if state is None else state["ssm"]
         args = (self.A_log[...],)
         if state is not None and length == 1:
@@ -76,3 +85,55 @@ class Mamba(nnx.Module):
         else:
             y, ssm = op("selective_scan")(u, delta, *args, b, c, self.D[...], z, dt_bias, ssm, mask=token_mask)
         return self.out_proj(y), {"conv": conv_state, "ssm": ssm}
+
+    def _conv_then_repeat(self, xs: jax.Array, run_conv) -> tuple[jax.Array, jax.Array]:
+        """[R, T, D_xb] pre-conv x -> [R, T, Din] scan input u, the conv on either side of the group repeat."""
+        if self.cfg.repeat_kv_before_conv:
+            return run_conv(self._repeat_groups(xs))
+        u, conv_pool = run_conv(xs)
+        return self._repeat_groups(u), conv_pool
+
+    def paged_decode(self, x: jax.Array, batch, pool: dict):
+        """Engine decode, one token per row [S, 1, d]: both states are read from and written to the slot pool by
+        ``batch.slots`` in place (Pallas kernels on GPU), so no state rows are gathered or scattered here."""
+        z, xs, b, c, delta, dt_bias = self._project(x)
+        slots, fresh = batch.slots, batch.fresh
+
+        def run_conv(v):
+            y, conv_pool = op("causal_conv1d_decode_slots")(
+                v[:, 0], self.conv1d.taps, self.conv1d.bias_or_none, pool["conv"], slots, fresh
+            )
+            return y[:, None], conv_pool
+
+        u, conv_pool = self._conv_then_repeat(xs, run_conv)
+        y, ssm = op("selective_scan_decode_slots")(
+            u[:, 0], delta[:, 0], self.A_log[...], b[:, 0], c[:, 0], self.D[...], z[:, 0], dt_bias,
+            pool["ssm"], slots, fresh,
+        )
+        return self.out_proj(y[:, None]), {"conv": conv_pool, "ssm": ssm}
+
+    def paged_prefill(self, x: jax.Array, batch, pool: dict):
+        """Engine prefill over padded rows [S, T, d]: the rows are flattened into one token buffer (row s =
+        tokens s*T .. s*T+len_s-1, len_s = its valid tokens) and the varlen slot-pool ops read and write both
+        states in place. Padding tokens produce zeros and leave the states untouched; empty rows (padding rows,
+        sink slot) leave their slot as it was."""
+        rows, length, _ = x.shape
+        z, xs, b, c, delta, dt_bias = self._project(x)
+        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
+        starts = jnp.arange(rows, dtype=jnp.int32) * length
+        lengths = jnp.sum(batch.token_mask, axis=1).astype(jnp.int32)
+        slots, fresh = batch.slots, batch.fresh
+
+        def run_conv(v):
+            y, conv_pool = op("causal_conv1d_varlen_slots")(
+                flat(v), self.conv1d.taps, self.conv1d.bias_or_none, pool["conv"], starts, lengths, slots, fresh,
+                max_len=length,
+            )
+            return y.reshape(v.shape[:2] + y.shape[1:]), conv_pool
+
+        u, conv_pool = self._conv_then_repeat(xs, run_conv)
+        y, ssm = op("selective_scan_varlen_slots")(
+            flat(u), flat(delta), self.A_log[...], flat(b), flat(c), self.D[...], flat(z), dt_bias,
+            pool["ssm"], starts, lengths, slots, fresh, max_len=length,
+        )
+        return self.out_proj(y.reshape(rows, length, -1)), {"conv": conv_pool, "ssm": ssm}
