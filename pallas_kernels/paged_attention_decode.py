@@ -22,7 +22,8 @@ K-split):
   the query position, outside the window, in empty table entries, or past the split's end are not read at all and
   load zeros, so stale or NaN contents of the sink page never reach the output).
   The loop has a dynamic trip count; Triton software-pipelines it (``num_stages``) with asynchronous copies, which
-  keeps several blocks of K/V in flight per program.
+  keeps several blocks of K/V in flight per program. The page ids of a block are loaded one iteration ahead and
+  carried, so the K/V addresses never wait on a table load of the same iteration (``prefetch_ids``).
 - Online softmax in fp32 (scores scaled by D^-0.5, exp2 with log2(e) folded in). Masked scores are -inf while the
   running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
   which the epilogue turns into a zero output instead of NaN.
@@ -157,13 +158,14 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
     def body(i, carry):
         acc, m, l = carry[:3]
         if prefetch_ids:
-            # The ids came from the previous iteration: the K/V addresses do not wait on a load of this one, so
-            # Triton's pipeliner can put the K/V copies in its first stage and keep more blocks in flight.
-            page, valid = carry[3:]
-            carry_next = block_pages(i + 1)
+            # The ids of block i came from an earlier iteration (``prefetch_ids`` blocks ahead): the K/V
+            # addresses do not wait on a load of this iteration, so Triton's pipeliner can issue the K/V copies
+            # for later blocks without stalling on the table, and keep num_stages - 1 blocks in flight.
+            page, valid = carry[3], carry[4]
+            queue = (*carry[5:], *block_pages(i + prefetch_ids))
         else:
             page, valid = block_pages(i)
-            carry_next = ()
+            queue = ()
         kv_rows = (page * page_size + tok_off)[:, None]
         k = pltriton.load(k_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
         v = pltriton.load(v_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
@@ -176,11 +178,11 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=F32)  # [R, D]
-        return (acc * alpha[:, None] + pv, m_new, l, *carry_next)
+        return (acc * alpha[:, None] + pv, m_new, l, *queue)
 
     init = (jnp.zeros((rows, head_dim), F32), jnp.full((rows,), _M_INIT, F32), jnp.zeros((rows,), F32))
-    if prefetch_ids:
-        init += block_pages(0)
+    for j in range(prefetch_ids):
+        init += block_pages(j)
     acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
 
     # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
@@ -201,7 +203,8 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret"),
+    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids",
+                     "interpret"),
 )
 def paged_attention_decode(
     q: jax.Array,
@@ -217,14 +220,17 @@ def paged_attention_decode(
     num_warps: int = 4,
     num_stages: int = 3,
     min_programs: int = 1024,
-    prefetch_ids: bool = True,
+    prefetch_ids: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
     pages_per_block: pages gathered per loop iteration (default: 64 tokens' worth, at least 16 tokens for the
-    dot); splits: K-splits per (row, KV head) (default: ``choose_splits``); num_warps / num_stages: Triton's.
+    dot); splits: K-splits per (row, KV head) (default: ``choose_splits``); num_warps / num_stages: Triton's;
+    prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
+    Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
+    wait on the table load) and 2 defeats the pipeliner (synchronous K/V loads). Swept by the benchmark.
     """
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     reason = unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions)
@@ -244,6 +250,8 @@ def paged_attention_decode(
         splits = choose_splits(batch, groups, max_pages, pages_per_block, min_programs)
     if splits < 1:
         raise ValueError(f"splits={splits} must be >= 1")
+    if prefetch_ids not in (0, 1, 2):
+        raise ValueError(f"prefetch_ids={prefetch_ids} must be 0, 1 or 2 (blocks of page ids loaded ahead)")
 
     rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
     kernel = functools.partial(

@@ -50,9 +50,11 @@ def log(*a):
     print(*a, flush=True)
 
 
-def make_case(rng, batch, heads, groups, dim, context, page_size, window, dtype):
-    """One pool, its block tables, queries and positions. Window families keep only the pages that can hold
-    keys inside the window (width = ceil(window / page_size) + 1) and start their tables at first_page."""
+def make_case(seed, batch, heads, groups, dim, context, page_size, window, dtype):
+    """One pool, its block tables, queries and positions (K/V/q drawn on the device: a 16K-context pool is 4 GB).
+    Window families keep only the pages that can hold keys inside the window (width = ceil(window / page_size)
+    + 1) and start their tables at first_page."""
+    rng = np.random.default_rng(seed)
     positions = context - 1 - rng.integers(0, page_size, batch)
     if window is None:
         width = -(-context // page_size)
@@ -66,9 +68,10 @@ def make_case(rng, batch, heads, groups, dim, context, page_size, window, dtype)
     cols = np.arange(width)[None, :]
     table = np.where(first[:, None] + cols <= last[:, None], perm, 0).astype(np.int32)
     shape = (num_pages, page_size, groups, dim)
-    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-    q = jnp.asarray(rng.standard_normal((batch, 1, heads, dim), np.float32), dtype)
+    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(kk, shape, dtype)
+    v = jax.random.normal(kv, shape, dtype)
+    q = jax.random.normal(kq, (batch, 1, heads, dim), dtype)
     visible = positions + 1 if window is None else np.minimum(positions + 1, window)
     nbytes = int(visible.sum()) * groups * dim * 2 * jnp.dtype(dtype).itemsize
     return dict(q=q, k_pages=k, v_pages=v, block_table=jnp.asarray(table), first_page=jnp.asarray(first, jnp.int32),
@@ -136,13 +139,14 @@ def jax_k_splits(width, want=16):
 def sweep_configs(page_size, dry_run, full):
     """(pages_per_block, num_warps, num_stages, splits, prefetch_ids) configurations; splits None = automatic."""
     if dry_run:
-        return [(max(1, 32 // page_size), 4, 2, 2, True), (max(1, 32 // page_size), 4, 2, 1, False)]
+        return [(max(1, 32 // page_size), 4, 2, 2, 1), (max(1, 32 // page_size), 4, 2, 1, 0)]
     blocks = sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
     if not full:
-        return [(blocks[0], 4, 3, s, True) for s in (1, 2, 4, 8)]
-    configs = [(ppb, nw, ns, s, True) for ppb in blocks for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4))
+        return [(blocks[0], 4, 3, s, 1) for s in (1, 2, 4, 8)]
+    configs = [(ppb, nw, ns, s, 1) for ppb in blocks for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4))
                for s in (1, 2, 4, 8)]
-    configs.append((blocks[0], 4, 3, None, False))  # the table load left in the pipelined loop
+    # Page ids loaded in the same iteration as their K/V, and two blocks ahead (see the kernel's prefetch_ids).
+    configs += [(blocks[0], nw, ns, None, p) for p in (0, 2) for nw, ns in ((4, 3), (8, 3))]
     return configs
 
 
@@ -163,8 +167,7 @@ def decode_section(args, bandwidth):
     for case_index, (context, page_size, window) in enumerate(cases):
         label = f"ctx={context} ps={page_size}" + (f" window={window}" if window else "")
         log(f"[decode] {label}: building {args.pools} pools ...")
-        rng = np.random.default_rng(case_index)
-        built = [make_case(rng, batch, heads, groups, dim, context, page_size, window, dtype) for _ in range(args.pools)]
+        built = [make_case(100 * case_index + i, batch, heads, groups, dim, context, page_size, window, dtype) for i in range(args.pools)]
         sets = [b[0] for b in built]
         nbytes = statistics.mean(b[1] for b in built)
         width = sets[0]["block_table"].shape[1]
@@ -181,7 +184,7 @@ def decode_section(args, bandwidth):
         default_ppb = max(1, 64 // page_size)
         max_pages = width if window is None else min(width, -(-window // page_size) + 1)
         auto_splits = choose_splits(batch, groups, max_pages, default_ppb)
-        configs = [(default_ppb, 4, 3, None, True)]
+        configs = [(default_ppb, 4, 3, None, 1)]
         if args.sweep:
             configs += sweep_configs(page_size, dry, full=case_index == 0)
         results = []
@@ -191,7 +194,7 @@ def decode_section(args, bandwidth):
                 seconds = time_calls(fn, sets, trials, calls)
                 results.append((seconds, cfg, fn))
                 log(f"  ours ppb={cfg[0]} warps={cfg[1]} stages={cfg[2]} splits={cfg[3] or f'auto({auto_splits})'} "
-                    f"prefetch={cfg[4]}: {seconds * 1e6:.1f} us, {nbytes / seconds / 1e12:.3f} TB/s")
+                    f"prefetch_ids={cfg[4]}: {seconds * 1e6:.1f} us, {nbytes / seconds / 1e12:.3f} TB/s")
             except Exception as e:  # noqa: BLE001  (a config the GPU cannot take, e.g. too much shared memory)
                 log(f"  ours {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
         default_s, default_cfg, default_fn = results[0] if results and results[0][1] == configs[0] else (None,) * 3
@@ -232,7 +235,7 @@ def decode_section(args, bandwidth):
             return None if s is None else round(s * 1e6, 1)
 
         cfg_name = (lambda c: None if c is None else
-                    f"ppb={c[0]} w={c[1]} st={c[2]} sp={c[3] or f'auto({auto_splits})'}{'' if c[4] else ' noprefetch'}")
+                    f"ppb={c[0]} w={c[1]} st={c[2]} sp={c[3] or f'auto({auto_splits})'}{'' if c[4] == 1 else f' prefetch={c[4]}'}")
         rows.append(dict(
             case=label, batch=batch, heads=f"{heads}/{groups}", dim=dim, MB=round(nbytes / 1e6, 1),
             ours_us=us(default_s), ours_TBps=tbps(default_s), ours_pct_hbm=pct(default_s), ours_err=f"{err_default:.1e}",

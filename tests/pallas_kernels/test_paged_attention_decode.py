@@ -59,8 +59,8 @@ def _check(x, window, tol, **kw):
     "heads, groups, page_size, window, kw",
     [
         (2, 2, 16, None, {}),  # MHA (rep 1), auto splits
-        (8, 2, 8, 20, dict(splits=2)),  # rep 4, window shorter than the context, 2 pages per block
-        (7, 1, 16, 1000, dict(splits=3, pages_per_block=2)),  # rep 7 (padded to 16 rows), window past the context
+        (8, 2, 8, 20, dict(splits=2, prefetch_ids=2)),  # rep 4, window shorter than the context, 2 pages/block
+        (7, 1, 16, 1000, dict(splits=3, pages_per_block=2, prefetch_ids=0)),  # rep 7 (16 rows), window > context
     ],
 )
 def test_matches_reference_fp32(heads, groups, page_size, window, kw):
@@ -101,6 +101,8 @@ def test_bad_inputs_raise():
         paged_attention_decode(**dict(x, block_table=x["block_table"][:2]), interpret=True)
     with pytest.raises(ValueError, match="pages_per_block"):
         paged_attention_decode(**x, pages_per_block=3, interpret=True)
+    with pytest.raises(ValueError, match="prefetch_ids"):
+        paged_attention_decode(**x, prefetch_ids=3, interpret=True)
     with pytest.raises(ValueError, match="window"):
         paged_attention_decode(**x, window=0, interpret=True)
 
