@@ -237,3 +237,265 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
     if q.ndim != 4 or q.shape[1] <= 1 or not supported(q, k_pages):
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     return paged_attention_prefill(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mosaic GPU (Hopper) variant: FA3-style warp specialisation over the page pool. Experimental: it cross-lowers and
+# its interpretable formulation matches the reference in GPU interpret mode, but it has not run on a GPU yet, so
+# the dispatch entry above keeps using the Triton kernel.
+#
+# One CTA per (q head, tile of 2 * block_q query tokens, row): two compute warpgroups own block_q rows each, a
+# third warpgroup issues the TMA copies. Each KV step is block_kv keys inside one page (block_kv divides the page
+# size): one TMA for K and one for V from ``pages.at[page, offsets, kv_head]``, into a ring of ``stages`` SMEM
+# slots guarded by loaded/consumed barriers. Per-warpgroup step ranges (window start, unmasked interior, causal
+# end) are computed in XLA from the query positions and read as scalars; the CTA loads the union of its two
+# warpgroups' ranges and a warpgroup outside its own range only waits and releases the slot (so every barrier
+# completion is awaited in order by every compute warpgroup). The row's block table is copied to SMEM once, so
+# the per-step page lookups (TMA address, empty-page bias) are SMEM reads.
+# ----------------------------------------------------------------------------------------------------------------
+
+from jax import lax  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+
+def mgpu_supported(q: jax.Array, k_pages: jax.Array, block_k: int = 64) -> bool:
+    """bf16/f16 operands, head dim a multiple of 64 (128-byte swizzled rows), block_k dividing the page size."""
+    return (
+        q.dtype in (jnp.bfloat16, jnp.float16)
+        and k_pages.dtype == q.dtype
+        and q.shape[-1] % 64 == 0
+        and q.shape[-1] <= 256
+        and k_pages.shape[1] % block_k == 0
+    )
+
+
+def _mgpu_bounds(rel, width_keys, block_q, block_k, window):
+    """Per (row, tile, warpgroup): key-step ranges [start, lo) masked, [lo, hi) unmasked, [hi, stop) masked, from
+    the min/max relative query position of each warpgroup's block_q rows (same rules as the Triton kernel), plus
+    the CTA's union [cta_start, cta_stop). Returns int32 [S, tiles, 10]."""
+    rows, padded = rel.shape
+    r = rel.reshape(rows, padded // (2 * block_q), 2, block_q)
+    first_q, last_q = r.min(-1), r.max(-1)
+    last = jnp.maximum(jnp.minimum(last_q, width_keys - 1), -1)
+    stop = (last + block_k) // block_k
+    if window is None:
+        start = jnp.zeros_like(stop)
+        lo = start
+    else:
+        start = jnp.minimum(jnp.maximum(first_q - window + 1, 0) // block_k, stop)
+        lo = (jnp.maximum(last_q - window + 1, 0) + block_k - 1) // block_k
+    hi = jnp.maximum(first_q + 1, 0) // block_k
+    lo = jnp.clip(lo, start, stop)
+    hi = jnp.clip(hi, lo, stop)
+    per_wg = jnp.stack([start, lo, hi, stop], -1)  # [S, tiles, 2, 4]
+    cta = jnp.stack([start.min(-1), stop.max(-1)], -1)  # [S, tiles, 2]
+    return jnp.concatenate([cta, per_wg.reshape(rows, -1, 8)], -1).astype(jnp.int32)
+
+
+def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scratch, *, block_q, block_k, page_size,
+               rep, scale, window, stages, interpretable, dtype):
+    (qo_smem2, k_smem, v_smem, p_smem2, table_smem), (k_bar, v_bar, q_bar, table_bar), (k_free, v_free) = scratch
+    head, tile, row = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    cta_start, cta_stop = bounds_ref[row, tile, 0], bounds_ref[row, tile, 1]
+    head_dim = q_ref.shape[-1]
+    layout = plgpu.Layout.WGMMA
+
+    def page_of(step):
+        return table_smem[(step * block_k) // page_size]
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        q_base = tile * (2 * block_q) + wg * block_q
+        plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(q_base, block_q), head], qo_smem, q_bar.at[wg])
+        plgpu.barrier_wait(table_bar)
+        plgpu.barrier_wait(q_bar.at[wg])
+        base = 2 + wg * 4
+        start, lo = bounds_ref[row, tile, base], bounds_ref[row, tile, base + 1]
+        hi, stop = bounds_ref[row, tile, base + 2], bounds_ref[row, tile, base + 3]
+        rel = plgpu.load(rel_ref.at[row, pl.ds(q_base, block_q)], layout=layout.reduce(1), optimized=False)
+        qk_scale = scale * LOG2E
+
+        def skip(i, carry):
+            slot = lax.rem(i - cta_start, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            return carry
+
+        def step(i, carry, masked):
+            acc, m, l = carry
+            slot = lax.rem(i - cta_start, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), F32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            bias = jnp.where(page_of(i) != 0, F32(0.0), F32(-jnp.inf))
+            s = s * qk_scale + bias
+            if masked:
+                keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 1, layout=layout) + i * block_k
+                qpos = lax.broadcast_in_dim(rel, (block_q, block_k), [0])
+                visible = keys <= qpos
+                if window is not None:
+                    visible = visible & (keys > qpos - window)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if interpretable:  # P through SMEM and a fresh accumulator: what GPU interpret mode can run
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, head_dim), F32))
+            else:  # P from registers, accumulating into the running output (FA3)
+                acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        carry = (
+            plgpu.layout_cast(jnp.zeros((block_q, head_dim), F32), layout),
+            plgpu.layout_cast(jnp.full((block_q,), _NO_MAX, F32), layout.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((block_q,), F32), layout.reduce(1)),
+        )
+        lax.fori_loop(cta_start, start, skip, None)
+        masked = functools.partial(step, masked=True)
+        carry = lax.fori_loop(start, lo, masked, carry)
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+        acc, _, l = lax.fori_loop(hi, stop, masked, carry)
+        lax.fori_loop(stop, cta_stop, skip, None)
+        acc = acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[row, pl.ds(q_base, block_q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(table_ref.at[row], table_smem, table_bar)
+        plgpu.barrier_wait(table_bar)
+        group = lax.div(head, jnp.array(rep, head.dtype))
+
+        @pl.loop(cta_start, cta_stop)
+        def _load(i):
+            j = i - cta_start
+            slot = lax.rem(j, stages)
+            keys = (page_of(i), pl.ds(lax.rem(i * block_k, page_size), block_k), group)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+
+        # Observe the last releases too, so no barrier completion goes unawaited when the scope ends (the
+        # interpreter checks this; on hardware it is a short idle wait of the producer).
+        @pl.loop(jnp.maximum(cta_stop - stages, cta_start), cta_stop)
+        def _drain(i):
+            slot = lax.rem(i - cta_start, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "stages", "interpretable"))
+def paged_attention_prefill_mgpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    first_page: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    stages: int = 3,
+    interpretable: bool = False,
+) -> jax.Array:
+    """Mosaic GPU version (experimental, see above). Arguments as in the reference op; bf16/f16 only.
+    block_q: query rows per compute warpgroup (64: the wgmma M); block_k: keys per step (a multiple of 64 dividing
+    the page size); stages: SMEM ring depth. ``interpretable`` selects the formulation GPU interpret mode can run
+    (P through SMEM, fresh accumulators) instead of FA3's register-operand P @ V."""
+    _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions)
+    if not mgpu_supported(q, k_pages, block_k):
+        raise ValueError(
+            f"Mosaic GPU kernel needs bf16/f16, head dim a multiple of 64 (<= 256) and block_k={block_k} dividing "
+            f"the page size {k_pages.shape[1]}; got {q.dtype}, {q.shape[-1]}"
+        )
+    if block_q % 64 or block_k % 64:
+        raise ValueError(f"block_q={block_q} and block_k={block_k} must be multiples of 64 (wgmma)")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    rows, length, heads, head_dim = q.shape
+    page_size, groups = k_pages.shape[1], k_pages.shape[2]
+    width = block_table.shape[1]
+    tile = 2 * block_q
+    padded = -(-length // tile) * tile
+    rel = q_positions.astype(jnp.int32) - first_page.astype(jnp.int32)[:, None] * page_size
+    if padded != length:
+        q = jnp.pad(q, ((0, 0), (0, padded - length), (0, 0), (0, 0)))
+        rel = jnp.pad(rel, ((0, 0), (0, padded - length)), mode="edge")
+    bounds = _mgpu_bounds(rel, width * page_size, block_q, block_k, window)
+    # The table row goes to SMEM in one TMA: 16-byte multiple (pad with empty entries).
+    table_width = -(-width // 4) * 4
+    table = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, table_width - width)))
+
+    swizzle = 128 if head_dim % 64 == 0 else 64
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(q.dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    p_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    body = functools.partial(
+        _mgpu_body, block_q=block_q, block_k=block_k, page_size=page_size, rep=heads // groups,
+        scale=head_dim**-0.5, window=window, stages=stages, interpretable=interpretable, dtype=q.dtype,
+    )
+
+    def entry(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref):
+        pl.run_scoped(
+            lambda *scratch: body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scratch),
+            (
+                plgpu.SMEM((2, block_q, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((stages, block_k, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((stages, block_k, head_dim), q.dtype, transforms=transforms),
+                plgpu.SMEM((2, block_q, block_k), q.dtype, transforms=p_transforms),
+                plgpu.SMEM((table_width,), jnp.int32),
+            ),
+            (
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2),
+                plgpu.Barrier(),
+            ),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(heads, padded // tile, rows),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(table, bounds, rel, q, k_pages, v_pages)
+    return out[:, :length] if padded != length else out

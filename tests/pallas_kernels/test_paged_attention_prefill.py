@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference
-from pallas_kernels.paged_attention_prefill import paged_attention, paged_attention_prefill
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.paged_attention_prefill import paged_attention, paged_attention_prefill, paged_attention_prefill_mgpu
 
 
 def _inputs(seed, *, cached, new, length, heads, groups, dim=32, page_size=16, width=8, first_page=None,
@@ -109,6 +111,35 @@ def test_bad_inputs_raise_clear_errors():
         paged_attention_prefill(**dict(x, q_positions=x["q_positions"][:, :8]), interpret=True)
 
 
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+
+
+def test_mgpu_kernel_interpretable_formulation_matches_reference():
+    """GPU interpret mode (race detection on) at one tile of 2 x 64 rows: a window that makes warpgroup 1 skip the
+    CTA's first key step and warpgroup 0 its last, an empty page inside the window, a padding-heavy row."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    x, valid = _inputs(5, cached=[190, 0], new=[90, 128], length=128, heads=4, groups=2, dim=64, page_size=64,
+                       width=6, first_page=[1, 0], empty=[(0, 2)], dtype=jnp.bfloat16, num_pages=12)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        out = paged_attention_prefill_mgpu(**x, window=70, interpretable=True)
+    assert not interpret_pallas_call.get_races().races_found
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, reference(**x, window=70), valid) <= 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_mgpu_kernel_cross_lowers_for_cuda(window):
+    """The production (register-operand P @ V) formulation at S=2, T=4096, 32/8 heads, D=128, page size 64."""
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 4096, 32, 128), jnp.bfloat16), S((300, 64, 8, 128), jnp.bfloat16), S((300, 64, 8, 128), jnp.bfloat16),
+            S((2, 130), jnp.int32), S((2,), jnp.int32), S((2, 4096), jnp.int32))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H100)):
+        lowered = paged_attention_prefill_mgpu.trace(*args, window=window).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text().lower()
+
+
 @pytest.mark.parametrize("rows, length, window", [(2, 4096, None), (8, 512, 4096)])
 def test_cross_lowers_for_cuda_at_production_shapes(rows, length, window):
     """32 query / 8 KV heads, D = 128, page size 64, bf16, default and a large block configuration."""
@@ -122,8 +153,7 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, length, window):
         S((rows,), jnp.int32),
         S((rows, length), jnp.int32),
     )
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H100)):
         for blocks in (dict(), dict(block_q=128, block_k=128, num_warps=8)):
             lowered = paged_attention_prefill.trace(*args, window=window, **blocks).lower(lowering_platforms=("cuda",))
             assert "triton" in lowered.as_text().lower()
