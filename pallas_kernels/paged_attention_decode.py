@@ -217,7 +217,7 @@ def paged_attention_decode(
     *,
     pages_per_block: int | None = None,
     splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
     min_programs: int = 1024,
     prefetch_ids: int = 1,
@@ -226,8 +226,9 @@ def paged_attention_decode(
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
-    pages_per_block: pages gathered per loop iteration (default: 64 tokens' worth, at least 16 tokens for the
-    dot); splits: K-splits per (row, KV head) (default: ``choose_splits``); num_warps / num_stages: Triton's;
+    pages_per_block: pages gathered per loop iteration (default: 64 tokens' worth for 2-byte dtypes, 32 for fp32,
+    at least one page and 16 tokens for the dot); splits: K-splits per (row, KV head) (default: ``choose_splits``);
+    num_warps (default 4, 8 for fp32, whose IEEE dots run on FMAs and need the registers) / num_stages: Triton's;
     prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
     Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
     wait on the table load) and 2 defeats the pipeliner (synchronous K/V loads). Swept by the benchmark.
@@ -240,8 +241,11 @@ def paged_attention_decode(
     num_pages, page_size, groups, _ = k_pages.shape
     width = block_table.shape[1]
     rep = heads // groups
+    fp32 = q.dtype == jnp.float32
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)
+        pages_per_block = max(1, (32 if fp32 else 64) // page_size)
+    if num_warps is None:
+        num_warps = 8 if fp32 else 4
     pages_per_block = max(pages_per_block, -(-16 // page_size))  # N >= 16 for the dots
     if not _is_power_of_two(pages_per_block):
         raise ValueError(f"pages_per_block={pages_per_block} must be a power of two (Triton block sizes)")
@@ -258,7 +262,7 @@ def paged_attention_decode(
         _kernel, rep=rep, rows=rows, page_size=page_size,
         pages_per_block=pages_per_block, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None, heads=heads, interpret=interpret,
+        precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, interpret=interpret,
         prefetch_ids=prefetch_ids,
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)

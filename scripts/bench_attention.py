@@ -184,7 +184,7 @@ def decode_section(args, bandwidth):
         default_ppb = max(1, 64 // page_size)
         max_pages = width if window is None else min(width, -(-window // page_size) + 1)
         auto_splits = choose_splits(batch, groups, max_pages, default_ppb)
-        configs = [(default_ppb, 4, 3, None, 1)]
+        configs = [(default_ppb, 4, 3, None, 1)]  # the kernel's defaults for bf16
         if args.sweep:
             configs += sweep_configs(page_size, dry, full=case_index == 0)
         results = []
