@@ -234,8 +234,11 @@ def varlen_slots(x, weight, bias, conv_pool, starts, lengths, slots, fresh, *, m
     if not supported(x, weight, conv_pool, activation) or weight.shape[-1] - 1 > 32:
         return causal_conv1d_varlen_slots(x, weight, bias, conv_pool, starts, lengths, slots, fresh,
                                           max_len=max_len, activation=activation)
+    # Token blocks of 32 rows, smaller for short chunks (fewer masked lanes), never below K-1 (one block of
+    # history). Untuned default: see scripts/bench_mamba_conv.py.
+    block_t = max(min(32, 1 << max(0, max_len - 1).bit_length()), 1 << max(0, weight.shape[-1] - 2).bit_length())
     return causal_conv1d_varlen(x, weight, bias, conv_pool, starts, lengths, slots, fresh, max_len=max_len,
-                                activation=activation, block_c=_block_c(x.shape[-1], 256), block_t=32)
+                                activation=activation, block_c=_block_c(x.shape[-1], 256), block_t=block_t)
 
 
 def decode_slots(x, weight, bias, conv_pool, slots, fresh, activation="silu"):
