@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,7 @@ def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, win
     for name, x in (("block_table", block_table), ("first_page", first_page), ("q_positions", q_positions)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {x.dtype}")
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
 
 
@@ -306,4 +307,5 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
         from apriel2_jax.ops.paged_attention import paged_attention as reference
 
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    window = None if window is None else int(window)  # a static jit argument: one compile per window width
     return paged_attention_decode(q, k_pages, v_pages, block_table, first_page, q_positions, window)
