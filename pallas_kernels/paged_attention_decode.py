@@ -12,11 +12,13 @@ K-split):
 - All ``rep = H / G`` query heads of the KV head are handled together, as the rows of one [R, D] tile (R = rep
   rounded up to a power of two, at least 16, the minimum dot size): K/V are read once per KV head, not once per
   query head. Padded rows load zeros and are never stored.
-- The program walks its share of the row's *visible* logical pages only: from
-  ``max(first_page, (p - window + 1) // page_size)`` to ``p // page_size``. Sliding-window rows skip the pages that
-  slid out and short rows skip the table's tail, so the work follows the visible context, not the table width.
-- Each iteration gathers ``pages_per_block`` pages (N = pages_per_block * page_size tokens) with one pointer
-  tensor: token t of the block reads row ``page_id * page_size + offset`` of the pool viewed as
+- The program walks its share of the row's *visible* keys only: positions from
+  ``max(first_page * page_size, p - window + 1)`` to ``p`` (pages from ``max(first_page, (p - window + 1) //
+  page_size)`` to ``p // page_size``). Sliding-window rows skip what slid out and short rows skip the table's
+  tail, so the work follows the visible context, not the table width.
+- Each iteration gathers a block of ``block_tokens`` consecutive positions (N, a power of two; a block may span
+  several pages or part of one, so any power-of-two page size works with the same tile) with one pointer
+  tensor: position t reads row ``page_id(t // page_size) * page_size + t % page_size`` of the pool viewed as
   [P * page_size, G * D], columns ``g * D ...``. Each token row of one head is D contiguous elements (256 bytes at
   D = 128, bf16), so loads vectorise and coalesce whatever the page order. Loads are masked per token (keys past
   the query position, outside the window, in empty table entries, or past the split's end are not read at all and
@@ -108,32 +110,32 @@ def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, win
         raise ValueError(f"window must be None or a positive int, got {window!r}")
 
 
-def choose_splits(batch: int, groups: int, max_pages: int, pages_per_block: int,
-                  min_programs: int = 1024, min_pages_per_split: int = 8) -> int:
+def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
+                  min_programs: int = 1024, min_tokens_per_split: int = 512) -> int:
     """Number of K-splits: enough programs to fill the GPU (several waves of 132 SMs, so the tail wave is short)
-    without splits so short that the per-split fixed cost and the combine dominate."""
+    without splits so short that the per-split fixed cost and the combine dominate. ``max_tokens``: the widest
+    visible range a row can have (the table's span, or the window)."""
     want = -(-min_programs // (batch * groups))
-    most = max(1, max_pages // max(min_pages_per_split, pages_per_block))
+    most = max(1, max_tokens // max(min_tokens_per_split, block_tokens))
     return max(1, min(want, most))
 
 
-def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, rows, page_size, pages_per_block,
+def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, rows, page_size, block_tokens,
             width, head_dim, window, splits, scale, precision, heads, interpret, prefetch_ids):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block = pages_per_block * page_size
     pos = pos_ref[b]
     first = first_ref[b]
 
-    # Logical pages that can hold visible keys: [lo, hi).
-    hi = jnp.clip(pos // page_size + 1, first, first + width)
-    lo = first if window is None else jnp.clip((pos - window + 1) // page_size, first, hi)
+    # Visible key positions: [lo, hi), inside the table's span [first * page_size, (first + width) * page_size).
+    hi = jnp.clip(pos + 1, first * page_size, (first + width) * page_size)
+    lo = first * page_size if window is None else jnp.clip(pos - window + 1, first * page_size, hi)
     # This split's share, a whole number of blocks so only the last block of the last split is partial.
-    chunk = pl.cdiv(pl.cdiv(hi - lo, splits), pages_per_block) * pages_per_block
+    chunk = pl.cdiv(pl.cdiv(hi - lo, splits), block_tokens) * block_tokens
     start = lo + s * chunk
     end = jnp.minimum(start + chunk, hi)
-    iters = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
+    iters = pl.cdiv(jnp.maximum(end - start, 0), block_tokens)
 
     r = jnp.arange(rows, dtype=jnp.int32)
     row_ok = r < rep
@@ -142,19 +144,16 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
     q = pltriton.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
     kv_cols = g * head_dim + cols
 
-    tok = jnp.arange(block, dtype=jnp.int32)
-    tok_page = tok // page_size  # page within the block (shifts: page_size is a power of two)
-    tok_off = tok % page_size
+    tok = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    def block_pages(i):
-        """Page ids [N] of block i's tokens and the tokens' visibility."""
-        logical = start + i * pages_per_block + tok_page  # [N] logical page of each token
-        page = table_ref[b, jnp.clip(logical - first, 0, width - 1)]  # [N] page ids (repeats hit L1)
-        key_pos = logical * page_size + tok_off
-        valid = (logical < end) & (page != 0) & (key_pos <= pos)
-        if window is not None:
-            valid &= key_pos > pos - window
-        return page, valid
+    def block_rows(i):
+        """Pool rows [N] of block i's keys and the keys' visibility. Every position in [start, end) is visible
+        (causality and the window are in the range) unless its table entry is empty."""
+        key_pos = start + i * block_tokens + tok  # [N] positions
+        column = key_pos // page_size - first  # shifts: page_size is a power of two
+        page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids (repeats hit L1)
+        valid = (key_pos < end) & (page != 0)
+        return page * page_size + key_pos % page_size, valid
 
     def body(i, carry):
         acc, m, l = carry[:3]
@@ -162,12 +161,12 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
             # The ids of block i came from an earlier iteration (``prefetch_ids`` blocks ahead): the K/V
             # addresses do not wait on a load of this iteration, so Triton's pipeliner can issue the K/V copies
             # for later blocks without stalling on the table, and keep num_stages - 1 blocks in flight.
-            page, valid = carry[3], carry[4]
-            queue = (*carry[5:], *block_pages(i + prefetch_ids))
+            kv_row, valid = carry[3], carry[4]
+            queue = (*carry[5:], *block_rows(i + prefetch_ids))
         else:
-            page, valid = block_pages(i)
+            kv_row, valid = block_rows(i)
             queue = ()
-        kv_rows = (page * page_size + tok_off)[:, None]
+        kv_rows = kv_row[:, None]
         k = pltriton.load(k_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
         v = pltriton.load(v_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -183,7 +182,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
 
     init = (jnp.zeros((rows, head_dim), F32), jnp.full((rows,), _M_INIT, F32), jnp.zeros((rows,), F32))
     for j in range(prefetch_ids):
-        init += block_pages(j)
+        init += block_rows(j)
     acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
 
     # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
@@ -204,7 +203,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("window", "pages_per_block", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids",
+    static_argnames=("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids",
                      "interpret"),
 )
 def paged_attention_decode(
@@ -216,7 +215,7 @@ def paged_attention_decode(
     q_positions: jax.Array,
     window: int | None = None,
     *,
-    pages_per_block: int | None = None,
+    block_tokens: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
@@ -227,8 +226,8 @@ def paged_attention_decode(
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
-    pages_per_block: pages gathered per loop iteration (default: 64 tokens' worth for 2-byte dtypes, 32 for fp32,
-    at least one page and 16 tokens for the dot); splits: K-splits per (row, KV head) (default: ``choose_splits``);
+    block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
+    64 for 2-byte dtypes, 32 for fp32; at D = 128 bf16 that is 16 KB of K and 16 KB of V per stage); splits: K-splits per (row, KV head) (default: ``choose_splits``);
     num_warps (default 4, 8 for fp32, whose IEEE dots run on FMAs and need the registers) / num_stages: Triton's;
     prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
     Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
@@ -243,16 +242,15 @@ def paged_attention_decode(
     width = block_table.shape[1]
     rep = heads // groups
     fp32 = q.dtype == jnp.float32
-    if pages_per_block is None:
-        pages_per_block = max(1, (32 if fp32 else 64) // page_size)
+    if block_tokens is None:
+        block_tokens = 32 if fp32 else 64
     if num_warps is None:
         num_warps = 8 if fp32 else 4
-    pages_per_block = max(pages_per_block, -(-16 // page_size))  # N >= 16 for the dots
-    if not _is_power_of_two(pages_per_block):
-        raise ValueError(f"pages_per_block={pages_per_block} must be a power of two (Triton block sizes)")
-    max_pages = width if window is None else min(width, -(-window // page_size) + 1)
+    if not (_is_power_of_two(block_tokens) and block_tokens >= 16):
+        raise ValueError(f"block_tokens={block_tokens} must be a power of two >= 16 (Triton blocks, dot sizes)")
+    max_tokens = width * page_size if window is None else min(width * page_size, window)
     if splits is None:
-        splits = choose_splits(batch, groups, max_pages, pages_per_block, min_programs)
+        splits = choose_splits(batch, groups, max_tokens, block_tokens, min_programs)
     if splits < 1:
         raise ValueError(f"splits={splits} must be >= 1")
     if prefetch_ids not in (0, 1, 2):
@@ -261,7 +259,7 @@ def paged_attention_decode(
     rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
     kernel = functools.partial(
         _kernel, rep=rep, rows=rows, page_size=page_size,
-        pages_per_block=pages_per_block, width=width, head_dim=head_dim, window=window, splits=splits,
+        block_tokens=block_tokens, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, interpret=interpret,
         prefetch_ids=prefetch_ids,
@@ -284,7 +282,7 @@ def paged_attention_decode(
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_decode_ps{page_size}_ppb{pages_per_block}_s{splits}",
+        name=f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}",
     )(q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32),
       q[:, 0], k_rows, v_rows)
     if splits == 1:

@@ -137,16 +137,17 @@ def jax_k_splits(width, want=16):
 
 
 def sweep_configs(page_size, dry_run, full):
-    """(pages_per_block, num_warps, num_stages, splits, prefetch_ids) configurations; splits None = automatic."""
+    """(block_tokens, num_warps, num_stages, splits, prefetch_ids) configurations; splits None = automatic."""
+    del page_size  # the kernel's block is in tokens, whatever the page size
     if dry_run:
-        return [(max(1, 32 // page_size), 4, 2, 2, 1), (max(1, 32 // page_size), 4, 2, 1, 0)]
-    blocks = sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
+        return [(16, 4, 2, 2, 1), (32, 4, 2, 1, 0)]
     if not full:
-        return [(blocks[0], 4, 3, s, 1) for s in (1, 2, 4, 8)]
-    configs = [(ppb, nw, ns, s, 1) for ppb in blocks for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4))
+        return [(64, 4, 3, s, 1) for s in (1, 2, 4, 8)]
+    configs = [(n, nw, ns, s, 1) for n in (64, 128) for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4))
                for s in (1, 2, 4, 8)]
+    configs += [(32, 4, ns, s, 1) for ns in (3, 5) for s in (2, 4)]
     # Page ids loaded in the same iteration as their K/V, and two blocks ahead (see the kernel's prefetch_ids).
-    configs += [(blocks[0], nw, ns, None, p) for p in (0, 2) for nw, ns in ((4, 3), (8, 3))]
+    configs += [(64, nw, ns, None, p) for p in (0, 2) for nw, ns in ((4, 3), (8, 3))]
     return configs
 
 
@@ -176,15 +177,14 @@ def decode_section(args, bandwidth):
         ref_out = jax.block_until_ready(ref_fn(sets[0]))
 
         def ours(cfg):
-            ppb, nw, ns, splits, prefetch = cfg
+            n, nw, ns, splits, prefetch = cfg
             return jax.jit(lambda x: paged_attention_decode(
-                **x, window=window, pages_per_block=ppb, splits=splits, num_warps=nw, num_stages=ns,
+                **x, window=window, block_tokens=n, splits=splits, num_warps=nw, num_stages=ns,
                 prefetch_ids=prefetch, interpret=dry))
 
-        default_ppb = max(1, 64 // page_size)
-        max_pages = width if window is None else min(width, -(-window // page_size) + 1)
-        auto_splits = choose_splits(batch, groups, max_pages, default_ppb)
-        configs = [(default_ppb, 4, 3, None, 1)]  # the kernel's defaults for bf16
+        max_tokens = width * page_size if window is None else min(width * page_size, window)
+        auto_splits = choose_splits(batch, groups, max_tokens, 64)
+        configs = [(64, 4, 3, None, 1)]  # the kernel's defaults for bf16
         if args.sweep:
             configs += sweep_configs(page_size, dry, full=case_index == 0)
         results = []
@@ -193,7 +193,7 @@ def decode_section(args, bandwidth):
                 fn = ours(cfg)
                 seconds = time_calls(fn, sets, trials, calls)
                 results.append((seconds, cfg, fn))
-                log(f"  ours ppb={cfg[0]} warps={cfg[1]} stages={cfg[2]} splits={cfg[3] or f'auto({auto_splits})'} "
+                log(f"  ours block={cfg[0]} warps={cfg[1]} stages={cfg[2]} splits={cfg[3] or f'auto({auto_splits})'} "
                     f"prefetch_ids={cfg[4]}: {seconds * 1e6:.1f} us, {nbytes / seconds / 1e12:.3f} TB/s")
             except Exception as e:  # noqa: BLE001  (a config the GPU cannot take, e.g. too much shared memory)
                 log(f"  ours {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
@@ -235,7 +235,7 @@ def decode_section(args, bandwidth):
             return None if s is None else round(s * 1e6, 1)
 
         cfg_name = (lambda c: None if c is None else
-                    f"ppb={c[0]} w={c[1]} st={c[2]} sp={c[3] or f'auto({auto_splits})'}{'' if c[4] == 1 else f' prefetch={c[4]}'}")
+                    f"n={c[0]} w={c[1]} st={c[2]} sp={c[3] or f'auto({auto_splits})'}{'' if c[4] == 1 else f' prefetch={c[4]}'}")
         rows.append(dict(
             case=label, batch=batch, heads=f"{heads}/{groups}", dim=dim, MB=round(nbytes / 1e6, 1),
             ours_us=us(default_s), ours_TBps=tbps(default_s), ours_pct_hbm=pct(default_s), ours_err=f"{err_default:.1e}",

@@ -59,16 +59,16 @@ def _check(x, window, tol, **kw):
     "heads, groups, page_size, window, kw",
     [
         (2, 2, 16, None, {}),  # MHA (rep 1), auto splits
-        (8, 2, 8, 20, dict(splits=2, prefetch_ids=2)),  # rep 4, window shorter than the context, 2 pages/block
-        (7, 1, 16, 1000, dict(splits=3, pages_per_block=2, prefetch_ids=0)),  # rep 7 (16 rows), window > context
+        (8, 2, 8, 20, dict(splits=2, prefetch_ids=2)),  # rep 4, window shorter than the context, 8 pages/block
+        (7, 1, 16, 1000, dict(splits=3, block_tokens=32, prefetch_ids=0)),  # rep 7 (16 rows), window > context
     ],
 )
 def test_matches_reference_fp32(heads, groups, page_size, window, kw):
     _check(_inputs(0, heads, groups, page_size), window, 1e-5, **kw)
 
 
-def test_bf16():
-    _check(_inputs(1, 8, 2, 16, dtype=jnp.bfloat16), 24, 1e-2, splits=2)
+def test_bf16_blocks_smaller_than_a_page():
+    _check(_inputs(1, 8, 2, 32, dtype=jnp.bfloat16), 40, 1e-2, splits=2, block_tokens=16)
 
 
 def test_stale_sink_and_out_of_window_pages_are_never_read():
@@ -99,8 +99,8 @@ def test_bad_inputs_raise():
         paged_attention_decode(**dict(x, q=x["q"][:, :, :3]), interpret=True)
     with pytest.raises(ValueError, match="block_table"):
         paged_attention_decode(**dict(x, block_table=x["block_table"][:2]), interpret=True)
-    with pytest.raises(ValueError, match="pages_per_block"):
-        paged_attention_decode(**x, pages_per_block=3, interpret=True)
+    with pytest.raises(ValueError, match="block_tokens"):
+        paged_attention_decode(**x, block_tokens=24, interpret=True)
     with pytest.raises(ValueError, match="prefetch_ids"):
         paged_attention_decode(**x, prefetch_ids=3, interpret=True)
     with pytest.raises(ValueError, match="window"):
