@@ -5,6 +5,7 @@
     python scripts/bench_attention_prefill.py --sweep              # sweep block sizes / warps / stages first
     python scripts/bench_attention_prefill.py --config 128,64,8,3  # block_q,block_k,num_warps,num_stages
     python scripts/bench_attention_prefill.py --dry-run            # tiny shapes, interpret mode, CPU
+    timeout 300 python scripts/bench_attention_prefill.py --mgpu   # also the experimental Mosaic GPU kernel
 
 Cases (bf16, D = 128, page size 64):
   (a) contiguous causal, B = 2, T = 4096, heads 16/16 and 32/8 (query/KV): our kernel reads K/V from pages laid
@@ -18,7 +19,9 @@ Cases (bf16, D = 128, page size 64):
       ``local_window_size=(4095, 0)``; useful FLOPs = sum over queries of min(p + 1, 4096) keys.
 Times are medians over samples of ``--inner`` back-to-back calls after a warm-up; the bf16 matmul peak is
 measured (8192^3 ``jnp.dot``) and every TFLOP/s is also given as a share of it. ``--sweep`` times every
-configuration on case (a) 32/8 and uses the fastest for the whole table. Progress lines go to stderr; one table
+configuration on case (a) 32/8 and uses the fastest for the whole table. ``--mgpu`` adds the experimental Mosaic
+GPU kernel (``--mgpu-config block_q,block_k,stages``; with ``--sweep`` its stages are swept too); it has never
+run on a GPU before, so run it under ``timeout`` (a barrier bug would hang rather than fail). Progress lines go to stderr; one table
 to stdout at the end; ``--json PATH`` writes everything.
 """
 
@@ -39,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference  # noqa: E402
-from pallas_kernels.paged_attention_prefill import paged_attention_prefill  # noqa: E402
+from pallas_kernels.paged_attention_prefill import paged_attention_prefill, paged_attention_prefill_mgpu  # noqa: E402
 
 BF16 = jnp.bfloat16
 SWEEP = [  # (block_q, block_k, num_warps, num_stages)
@@ -49,7 +52,8 @@ SWEEP = [  # (block_q, block_k, num_warps, num_stages)
     for st in (2, 3, 4)
     if not (bq == 64 and w == 8 and bk < 128)
 ]
-DRY_SWEEP = [(16, 16, 4, 2), (32, 16, 4, 3)]
+DRY_SWEEP = [(32, 32, 4, 2), (32, 64, 4, 3)]
+MGPU_SWEEP = [(64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 64, 5)]
 
 
 def log(msg: str) -> None:
@@ -105,13 +109,58 @@ def kernel_fn(cfg, window, dry):
                                      num_stages=st, interpret=dry))
 
 
+def mgpu_kernel_fn(cfg, window, dry):
+    """The Mosaic GPU kernel; in a dry run its interpretable formulation in GPU interpret mode (abstract H100)."""
+    bq, bk, st = cfg
+    f = functools.partial(paged_attention_prefill_mgpu, window=window, block_q=bq, block_k=bk, stages=st,
+                          interpretable=dry)
+    if not dry:
+        return jax.jit(f)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+
+    def run(*a):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)), \
+                plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return f(*a)
+
+    return run
+
+
+def ours(cfg, window, args):
+    """(impl name, fn, config) for each of our kernels in this run."""
+    out = [("pallas-triton", kernel_fn(cfg, window, args.dry_run), cfg)]
+    if args.mgpu:
+        out.append(("pallas-mosaic", mgpu_kernel_fn(args.mgpu_cfg, window, args.dry_run), args.mgpu_cfg))
+    return out
+
+
+def time_ours(name, impl, fn, call_args, args):
+    """Time one of our kernels; a Mosaic GPU failure is reported, not fatal."""
+    try:
+        return timeit(fn, *call_args, samples=args.samples, inner=args.inner)
+    except Exception as e:
+        if impl == "pallas-triton":
+            raise
+        log(f"{name}: {impl} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return None, None
+
+
 def row(case, impl, seconds, flops, peak, err=None, cfg=None):
     tf = flops / seconds / 1e12
     return dict(case=case, impl=impl, ms=seconds * 1e3, tflops=tf, pct_peak=100 * flops / seconds / peak,
-                rel_err=err, config=None if cfg is None else dict(zip(("block_q", "block_k", "num_warps", "num_stages"), cfg)))
+                rel_err=err, config=cfg_dict(cfg))
 
 
-def case_contiguous(batch, length, heads, groups, dim, page_size, cfg, peak, args, with_baselines=True):
+def cfg_dict(cfg):
+    if cfg is None:
+        return None
+    names = ("block_q", "block_k", "num_warps", "num_stages") if len(cfg) == 4 else ("block_q", "block_k", "stages")
+    return dict(zip(names, cfg))
+
+
+def case_contiguous(batch, length, heads, groups, dim, page_size, cfg, peak, args, with_baselines=True, mosaic=False):
     rng = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(rng[0], (batch, length, heads, dim), BF16)
     k = jax.random.normal(rng[1], (batch, length, groups, dim), BF16)
@@ -122,18 +171,26 @@ def case_contiguous(batch, length, heads, groups, dim, page_size, cfg, peak, arg
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     flops = 2 * batch * heads * length * length * dim
     name = f"causal B={batch} T={length} H={heads}/{groups}"
+    if not with_baselines:  # a sweep point: one kernel, one config
+        fn = mgpu_kernel_fn(cfg, None, args.dry_run) if mosaic else kernel_fn(cfg, None, args.dry_run)
+        t, _ = timeit(fn, q, k_pool, v_pool, table, first, pos, samples=args.samples, inner=args.inner)
+        return [row(name, "pallas-mosaic" if mosaic else "pallas-triton", t, flops, peak, cfg=cfg)]
     t, out = timeit(kernel_fn(cfg, None, args.dry_run), q, k_pool, v_pool, table, first, pos,
                     samples=args.samples, inner=args.inner)
-    if not with_baselines:
-        return [row(name, "pallas", t, flops, peak, cfg=cfg)]
     t_cudnn, out_cudnn = timeit(cudnn_or_stand_in(args.dry_run, is_causal=True), q, k, v,
                                 samples=args.samples, inner=args.inner)
     log(f"{name}: pallas {t * 1e3:.3f} ms, cudnn {t_cudnn * 1e3:.3f} ms")
-    rows = [row(name, "pallas", t, flops, peak, rel_err(out, out_cudnn), cfg),
-            row(name, "cudnn", t_cudnn, flops, peak)]
     t_ref, out_ref = timeit(jax.jit(reference), q, k_pool, v_pool, table, first, pos, samples=3, inner=1)
-    rows.append(row(name, "jnp reference", t_ref, flops, peak, rel_err(out_ref, out_cudnn)))
+    rows = [row(name, "pallas-triton", t, flops, peak, rel_err(out, out_cudnn), cfg)]
     rows[0]["rel_err_vs_reference"] = rel_err(out, out_ref)
+    for impl, fn, c in ours(cfg, None, args)[1:]:
+        t_m, out_m = time_ours(name, impl, fn, (q, k_pool, v_pool, table, first, pos), args)
+        if t_m is not None:
+            log(f"{name}: {impl} {t_m * 1e3:.3f} ms")
+            rows.append(row(name, impl, t_m, flops, peak, rel_err(out_m, out_cudnn), c))
+            rows[-1]["rel_err_vs_reference"] = rel_err(out_m, out_ref)
+    rows.append(row(name, "cudnn", t_cudnn, flops, peak))
+    rows.append(row(name, "jnp reference", t_ref, flops, peak, rel_err(out_ref, out_cudnn)))
     return rows
 
 
@@ -159,18 +216,22 @@ def case_ragged(new, cached, length, heads, groups, dim, page_size, cfg, peak, a
     # Useful work: valid query i of row s sees cached[s] + i + 1 keys.
     flops = sum(4 * heads * dim * (n * c + n * (n + 1) // 2) for c, n in zip(cached, new))
     name = f"ragged paged {rows_n} rows H={heads}/{groups}"
-    t, out = timeit(kernel_fn(cfg, None, args.dry_run), q, k_pool, v_pool, table, first, pos,
-                    samples=args.samples, inner=args.inner)
     rep = heads // groups
-    errs = []
-    for s in range(rows_n):  # one KV group per row: the reference's fp32 scores fit
-        ref = jax.jit(reference)(q[s:s + 1, :, :rep], k_pool[:, :, :1], v_pool[:, :, :1], table[s:s + 1],
-                                 first[s:s + 1], pos[s:s + 1])
-        errs.append(rel_err(out[s:s + 1, :new[s], :rep], ref[:, :new[s]]))
-    log(f"{name}: pallas {t * 1e3:.3f} ms, max rel err vs reference {max(errs):.2e}")
-    r = row(name, "pallas", t, flops, peak, cfg=cfg)
-    r["rel_err_vs_reference"] = max(errs)
-    return [r]
+    refs = [  # one KV group per row: the reference's fp32 scores fit
+        jax.jit(reference)(q[s:s + 1, :, :rep], k_pool[:, :, :1], v_pool[:, :, :1], table[s:s + 1], first[s:s + 1],
+                           pos[s:s + 1])
+        for s in range(rows_n)
+    ]
+    rows = []
+    for impl, fn, c in ours(cfg, None, args):
+        t, out = time_ours(name, impl, fn, (q, k_pool, v_pool, table, first, pos), args)
+        if t is None:
+            continue
+        err = max(rel_err(out[s:s + 1, :new[s], :rep], refs[s][:, :new[s]]) for s in range(rows_n))
+        log(f"{name}: {impl} {t * 1e3:.3f} ms, max rel err vs reference {err:.2e}")
+        rows.append(row(name, impl, t, flops, peak, cfg=c))
+        rows[-1]["rel_err_vs_reference"] = err
+    return rows
 
 
 def case_window(length, window, heads, groups, dim, page_size, cfg, peak, args):
@@ -185,28 +246,38 @@ def case_window(length, window, heads, groups, dim, page_size, cfg, peak, args):
     seen = np.minimum(np.arange(length) + 1, window).sum()
     flops = 4 * heads * dim * int(seen)
     name = f"window {window} T={length} H={heads}/{groups}"
-    t, out = timeit(kernel_fn(cfg, window, args.dry_run), q, k_pool, v_pool, table, first, pos,
-                    samples=args.samples, inner=args.inner)
     t_cudnn, out_cudnn = timeit(
         cudnn_or_stand_in(args.dry_run, is_causal=True, local_window_size=(window - 1, 0)), q, k, v,
         samples=args.samples, inner=args.inner)
-    log(f"{name}: pallas {t * 1e3:.3f} ms, cudnn {t_cudnn * 1e3:.3f} ms")
-    return [row(name, "pallas", t, flops, peak, rel_err(out, out_cudnn), cfg), row(name, "cudnn", t_cudnn, flops, peak)]
+    rows = []
+    for impl, fn, c in ours(cfg, window, args):
+        t, out = time_ours(name, impl, fn, (q, k_pool, v_pool, table, first, pos), args)
+        if t is not None:
+            log(f"{name}: {impl} {t * 1e3:.3f} ms, cudnn {t_cudnn * 1e3:.3f} ms")
+            rows.append(row(name, impl, t, flops, peak, rel_err(out, out_cudnn), c))
+    return rows + [row(name, "cudnn", t_cudnn, flops, peak)]
 
 
-def sweep(shape, peak, args):
-    configs = DRY_SWEEP if args.dry_run else SWEEP
+def sweep(shape, peak, args, mosaic=False):
+    if mosaic:
+        configs = MGPU_SWEEP[:2] if args.dry_run else MGPU_SWEEP
+    else:
+        configs = DRY_SWEEP if args.dry_run else SWEEP
     results = []
     for i, cfg in enumerate(configs, start=1):
         try:
-            r = case_contiguous(*shape, cfg=cfg, peak=peak, args=args, with_baselines=False)[0]
+            r = case_contiguous(*shape, cfg=cfg, peak=peak, args=args, with_baselines=False, mosaic=mosaic)[0]
             log(f"sweep {i}/{len(configs)} {cfg}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s")
         except Exception as e:  # a config Triton cannot compile (e.g. out of shared memory) is skipped
             log(f"sweep {i}/{len(configs)} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-            r = dict(config=dict(zip(("block_q", "block_k", "num_warps", "num_stages"), cfg)), ms=None, error=str(e)[:300])
+            r = dict(impl="pallas-mosaic" if mosaic else "pallas-triton", config=cfg_dict(cfg), ms=None,
+                     error=str(e)[:300])
         results.append(r)
     ok = [r for r in results if r.get("ms") is not None]
     if not ok:
+        if mosaic:
+            log("no Mosaic GPU configuration ran; keeping --mgpu-config")
+            return args.mgpu_cfg, results
         raise SystemExit("no sweep configuration compiled")
     best = min(ok, key=lambda r: r["ms"])
     return tuple(best["config"].values()), results
@@ -216,6 +287,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="128,64,8,3", help="block_q,block_k,num_warps,num_stages")
     ap.add_argument("--sweep", action="store_true", help="time every config on case (a) 32/8 and use the best")
+    ap.add_argument("--mgpu", action="store_true", help="also time the experimental Mosaic GPU kernel")
+    ap.add_argument("--mgpu-config", default="64,64,3", help="block_q,block_k,stages of the Mosaic GPU kernel")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--inner", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -225,14 +298,17 @@ def main(argv=None) -> int:
     cfg = tuple(int(x) for x in args.config.split(","))
     if len(cfg) != 4:
         raise SystemExit("--config takes block_q,block_k,num_warps,num_stages")
+    args.mgpu_cfg = tuple(int(x) for x in args.mgpu_config.split(","))
+    if len(args.mgpu_cfg) != 3:
+        raise SystemExit("--mgpu-config takes block_q,block_k,stages")
 
     if args.dry_run:
         args.samples, args.inner = 2, 1
-        dim, ps, length, win_len, window, peak_n = 32, 16, 64, 128, 48, 256
-        new, cached, rag_len = [16, 40, 64], [0, 20, 70], 64
+        dim, ps, length, win_len, window, peak_n = 64, 64, 128, 256, 96, 256
+        new, cached, rag_len = [64, 100, 128], [0, 30, 130], 128
         heads_mha, heads_gqa = (4, 4), (8, 2)
         if not args.sweep:
-            cfg = (32, 16, 4, 3)
+            cfg = (32, 32, 4, 3)
     else:
         dim, ps, length, win_len, window, peak_n = 128, 64, 4096, 16384, 4096, 8192
         new, cached, rag_len = [512, 4096, 1024, 3000, 2048, 700, 3500, 1500], [0, 0, 8192, 1000, 4096, 7000, 300, 6000], 4096
@@ -248,6 +324,10 @@ def main(argv=None) -> int:
     if args.sweep:
         cfg, sweep_rows = sweep(gqa_shape, peak, args)
         log(f"best config {cfg}")
+        if args.mgpu:
+            args.mgpu_cfg, mgpu_rows = sweep(gqa_shape, peak, args, mosaic=True)
+            sweep_rows += mgpu_rows
+            log(f"best Mosaic GPU config {args.mgpu_cfg}")
 
     rows = []
     for h, g in (heads_mha, heads_gqa):
@@ -258,13 +338,14 @@ def main(argv=None) -> int:
     log("case (c) sliding window")
     rows += case_window(win_len, window, *heads_mha, dim, ps, cfg, peak, args)
 
-    print(f"\ndevice: {device}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; kernel config "
-          f"block_q,block_k,num_warps,num_stages = {cfg}")
+    print(f"\ndevice: {device}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; Triton kernel config "
+          f"block_q,block_k,num_warps,num_stages = {cfg}" + (f"; Mosaic GPU block_q,block_k,stages = "
+                                                             f"{args.mgpu_cfg}" if args.mgpu else ""))
     if sweep_rows:
         print("\nsweep (case (a) 32/8):")
         for r in sorted(sweep_rows, key=lambda r: r["ms"] if r.get("ms") else float("inf")):
             c = tuple(r["config"].values())
-            print(f"  {c}: " + (f"{r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s" if r.get("ms") else "failed"))
+            print(f"  {r['impl']:<14} {c}: " + (f"{r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s" if r.get("ms") else "failed"))
     print(f"\n{'case':<36} {'impl':<14} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7} {'rel err':>9} {'vs ref':>9}")
     by_case = {}
     for r in rows:
@@ -274,8 +355,9 @@ def main(argv=None) -> int:
         by_case.setdefault(r["case"], {})[r["impl"]] = r["ms"]
     print("\n(rel err: max |x - cuDNN| / max |cuDNN|; vs ref: against the jnp reference op)")
     for case, impls in by_case.items():
-        if "cudnn" in impls:
-            print(f"{case}: pallas / cudnn speed = {impls['cudnn'] / impls['pallas']:.2f}x")
+        for impl in ("pallas-triton", "pallas-mosaic"):
+            if "cudnn" in impls and impl in impls:
+                print(f"{case}: {impl} runs at {impls['cudnn'] / impls[impl]:.2f}x the speed of cuDNN")
     log(f"done in {time.monotonic() - start:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
