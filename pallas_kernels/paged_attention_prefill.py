@@ -133,17 +133,24 @@ def _kernel(
             k = k_ref[slots, group, :]
             v = v_ref[slots, group, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=F32)
-        # Empty pages (table entry 0) as a -inf bias: scalar or [bk], one fused multiply-add on the scores.
-        # (Typed constants: the Triton lowering mis-types weak-typed scalar literals in a select.)
-        s = s * qk_scale + jnp.where(page != 0, F32(0.0), F32(-jnp.inf))
+        # Empty pages (table entry 0) get a -inf bias. (Typed constants: the Triton lowering mis-types
+        # weak-typed scalar literals in a select.)
+        bias = jnp.where(page != 0, F32(0.0), F32(-jnp.inf))
         if masked:
             visible = keys[None, :] <= rel[:, None]
             if window is not None:
                 visible = visible & (keys[None, :] > rel[:, None] - window)
             s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        if bias.ndim:  # one bias per key: add it to the scores
+            s = s * qk_scale + bias[None, :]
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+        else:
+            # One page for the whole block: fold the scalar bias into the row max instead of touching every score.
+            # Empty page: m_new stays m and the subtrahend is +inf, so p = 0 without NaN (scores are never +inf).
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale + bias)
+            p = jnp.exp2(s * qk_scale - (m_new - bias)[:, None])
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=F32
@@ -293,8 +300,9 @@ def _mgpu_bounds(rel, width_keys, block_q, block_k, window):
 
 
 def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scratch, *, block_q, block_k, page_size,
-               rep, scale, window, stages, interpretable, dtype):
-    (qo_smem2, k_smem, v_smem, p_smem2, table_smem), (k_bar, v_bar, q_bar, table_bar), (k_free, v_free) = scratch
+               rep, scale, window, stages, interpretable, ping_pong, dtype):
+    smem, (k_bar, v_bar, q_bar, table_bar), (k_free, v_free), schedule = scratch
+    qo_smem2, k_smem, v_smem, p_smem2, table_smem = smem
     head, tile, row = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     cta_start, cta_stop = bounds_ref[row, tile, 0], bounds_ref[row, tile, 1]
@@ -303,6 +311,22 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
 
     def page_of(step):
         return table_smem[(step * block_k) // page_size]
+
+    # Ping-pong (FA3): the two compute warpgroups meet at a barrier twice per step, offset by half a step, so
+    # one runs its softmax while the other has the tensor cores. Every step, skipped ones included, passes it
+    # twice in each warpgroup, so the counts always match.
+    def sync():
+        if ping_pong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    def arrive():
+        if ping_pong:
+            plgpu.barrier_arrive(schedule)
+
+    def wait():
+        if ping_pong:
+            plgpu.barrier_wait(schedule)
 
     @pl.when(wg < 2)
     def _compute():
@@ -322,7 +346,10 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
             slot = lax.rem(i - cta_start, stages)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
+            sync()
+            arrive()
             plgpu.barrier_wait(v_bar.at[slot])
+            wait()
             plgpu.barrier_arrive(v_free.at[slot])
             return carry
 
@@ -333,12 +360,13 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                sync()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), F32))
             plgpu.barrier_arrive(k_free.at[slot])
+            # Empty page: a -inf bias folded into the row max (as in the Triton kernel), never into each score.
             bias = jnp.where(page_of(i) != 0, F32(0.0), F32(-jnp.inf))
-            s = s * qk_scale + bias
             if masked:
                 keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 1, layout=layout) + i * block_k
                 qpos = lax.broadcast_in_dim(rel, (block_q, block_k), [0])
@@ -346,13 +374,15 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
                 if window is not None:
                     visible = visible & (keys > qpos - window)
                 s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale + bias)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new - bias, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
+            arrive()
             plgpu.barrier_wait(v_bar.at[slot])
+            wait()
             if interpretable:  # P through SMEM and a fresh accumulator: what GPU interpret mode can run
                 p_smem = p_smem2.at[wg]
                 p_smem[...] = p16
@@ -373,12 +403,14 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
             plgpu.layout_cast(jnp.full((block_q,), _NO_MAX, F32), layout.reduce(1)),
             plgpu.layout_cast(jnp.zeros((block_q,), F32), layout.reduce(1)),
         )
+        pl.when(wg == 1)(sync)
         lax.fori_loop(cta_start, start, skip, None)
         masked = functools.partial(step, masked=True)
         carry = lax.fori_loop(start, lo, masked, carry)
         carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
         acc, _, l = lax.fori_loop(hi, stop, masked, carry)
         lax.fori_loop(stop, cta_stop, skip, None)
+        pl.when(wg == 0)(sync)
         acc = acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
         qo_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
@@ -419,7 +451,7 @@ def _mgpu_body(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref, scr
             plgpu.barrier_wait(v_free.at[slot])
 
 
-@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "stages", "interpretable"))
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "stages", "interpretable", "ping_pong"))
 def paged_attention_prefill_mgpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -432,11 +464,13 @@ def paged_attention_prefill_mgpu(
     block_k: int = 64,
     stages: int = 3,
     interpretable: bool = False,
+    ping_pong: bool = True,
 ) -> jax.Array:
     """Mosaic GPU version (experimental, see above). Arguments as in the reference op; bf16/f16 only.
     block_q: query rows per compute warpgroup (64: the wgmma M); block_k: keys per step (a multiple of 64 dividing
     the page size); stages: SMEM ring depth. ``interpretable`` selects the formulation GPU interpret mode can run
-    (P through SMEM, fresh accumulators) instead of FA3's register-operand P @ V."""
+    (P through SMEM, fresh accumulators) instead of FA3's register-operand P @ V; ``ping_pong`` the FA3 schedule
+    barrier between the two compute warpgroups."""
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions)
     if not mgpu_supported(q, k_pages, block_k):
         raise ValueError(
@@ -466,7 +500,8 @@ def paged_attention_prefill_mgpu(
     p_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     body = functools.partial(
         _mgpu_body, block_q=block_q, block_k=block_k, page_size=page_size, rep=heads // groups,
-        scale=head_dim**-0.5, window=window, stages=stages, interpretable=interpretable, dtype=q.dtype,
+        scale=head_dim**-0.5, window=window, stages=stages, interpretable=interpretable, ping_pong=ping_pong,
+        dtype=q.dtype,
     )
 
     def entry(table_ref, bounds_ref, rel_ref, q_ref, k_ref, v_ref, out_ref):
@@ -486,6 +521,7 @@ def paged_attention_prefill_mgpu(
                 plgpu.Barrier(),
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
 

@@ -62,9 +62,10 @@ CASES = {
     # (pages before it slid out), an empty entry inside the window
     "rep4_window": dict(cached=[60, 70], new=[33, 20], length=40, heads=8, groups=2, window=24,
                         first_page=[2, 3], share_prefix=False, empty=[(0, 0)], block_k=32),
-    # rep 2, a window that leaves unmasked key blocks between its trailing edge and the causal diagonal
+    # rep 2, a window that leaves unmasked key blocks between its trailing edge and the causal diagonal; an
+    # empty page inside it (one page per key block: the scalar empty-page bias)
     "rep2_mid_window": dict(cached=[100], new=[40], length=48, heads=4, groups=2, window=70, width=10,
-                            first_page=[2]),
+                            first_page=[2], empty=[(0, 3)]),
     # rep 7, page size 32 > block_k, window longer than the context, rows sharing prefix pages
     "rep7_long_window": dict(cached=[64, 64], new=[30, 17], length=32, heads=7, groups=1, page_size=32,
                              width=4, window=1000, share_prefix=True, block_q=16),
