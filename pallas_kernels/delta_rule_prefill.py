@@ -66,56 +66,92 @@ def _dot(a, b, precision, trans_a=False, trans_b=False):
 # 1. Intra-chunk: A, (I + A)^-1, w, u, masked q-k, decayed q and k
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qk_ref, qg_ref, kd_ref, *, rep, kda, precision):
+def _intra_kernel(
+    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+    w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, *, rep, kda, precision,
+):
     chunk, head = pl.program_id(0), pl.program_id(1)
     key_head = head // rep
-    q = q_ref[key_head, chunk, :, :].astype(F32)  # [C, K], normalised and scaled
-    k = k_ref[key_head, chunk, :, :].astype(F32)
-    v = v_ref[head, chunk, :, :].astype(F32)  # [C, V]
-    beta = beta_ref[head, chunk, :].astype(F32)  # [C]
-    size = q.shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    size = w_ref.shape[2]
+    key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
+    # The chunk's window of the flat buffer; rows outside [lo, hi) belong to another sequence (or none) and load
+    # as zeros: zero k, beta and g make them identity updates, wherever they sit in the chunk.
+    start, lo, hi = start_ref[chunk], lo_ref[chunk], hi_ref[chunk]
+    t = jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+    ok = (t >= lo) & (t < hi)
+
+    def load_rows(ref, h, width, index=None):
+        r = start + (t if index is None else index)
+        r2 = jnp.broadcast_to(r[:, None], (size, width))
+        c2 = jax.lax.broadcasted_iota(jnp.int32, (size, width), 1)
+        okr = ok if index is None else (index >= lo) & (index < hi)
+        return pltriton.load(ref.at[r2, h, c2], mask=jnp.broadcast_to(okr[:, None], (size, width)), other=0).astype(F32)
+
+    def normalize(x):
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+
+    q = normalize(load_rows(q_ref, key_head, key_dim)) * key_dim**-0.5
+    k = normalize(load_rows(k_ref, key_head, key_dim))
+    v = load_rows(v_ref, head, value_dim)
+    beta = pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0).astype(F32)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    rows_ = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
 
     if kda:
-        G = g_ref[head, chunk, :, :]  # [C, K] cumulative log decay
-        g_last = g_ref[head, chunk, size - 1, :]  # [K]
+        g = load_rows(g_ref, head, key_dim)
+        block = t // SUB
+        # Cumulative decay built from sub-block bases plus within-sub-block running sums, the same arithmetic
+        # the diagonal pass below repeats on gathered rows, so G_t - G_s is exactly 0 at s = t.
+        base = jnp.zeros_like(g)
+        for r in range(SUB, size, SUB):
+            before = jnp.sum(jnp.where((t < r)[:, None], g, 0.0), axis=0)
+            base = jnp.where((block == r // SUB)[:, None], before[None, :], base)
+        running = base
+        G = base
+        for o in range(SUB):
+            running = running + load_rows(g_ref, head, key_dim, block * SUB + o)
+            G = jnp.where((t % SUB == o)[:, None], running, G)
+        g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)  # [K]
         kk = jnp.zeros((size, size), F32)
         qk = jnp.zeros((size, size), F32)
-        t = jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
         # Off-diagonal sub-blocks: reference point r at the first token of the row sub-block; for rows t >= r and
         # columns s < r both exponents G_t - G_r and G_r - G_s are <= 0.
         for r in range(SUB, size, SUB):
-            g_ref_row = g_ref[head, chunk, r, :]  # [K]
+            g_at_r = jnp.sum(jnp.where((t == r)[:, None], G, 0.0), axis=0)  # [K]
             in_rows = ((t >= r) & (t < r + SUB))[:, None]
-            row_decay = jnp.exp(jnp.minimum(G - g_ref_row[None, :], 0.0))
-            col_decay = jnp.where((t < r)[:, None], jnp.exp(jnp.minimum(g_ref_row[None, :] - G, 0.0)), 0.0)
+            row_decay = jnp.exp(jnp.minimum(G - g_at_r[None, :], 0.0))
+            col_decay = jnp.where((t < r)[:, None], jnp.exp(jnp.minimum(g_at_r[None, :] - G, 0.0)), 0.0)
             kb = k * col_decay
             kk += _dot(jnp.where(in_rows, k * row_decay, 0.0), kb, precision, trans_b=True)
             qk += _dot(jnp.where(in_rows, q * row_decay, 0.0), kb, precision, trans_b=True)
-        # Diagonal sub-blocks, exactly: offset o pairs every row t with column s = SUB * (t // SUB) + o.
+        # Diagonal sub-blocks, exactly: offset o pairs every row t with column s = SUB * (t // SUB) + o, whose
+        # k row and cumulative decay are re-gathered from the flat buffer.
+        running = base
         for o in range(SUB):
-            s = (t // SUB) * SUB + o
-            k_s = k_ref[key_head, chunk, s, :].astype(F32)  # row gather [C, K]
-            g_s = g_ref[head, chunk, s, :]
-            kd_s = k_s * jnp.exp(jnp.minimum(G - g_s, 0.0))
+            s = block * SUB + o
+            running = running + load_rows(g_ref, head, key_dim, s)
+            kd_s = normalize(load_rows(k_ref, key_head, key_dim, s)) * jnp.exp(jnp.minimum(G - running, 0.0))
             at_s = cols == s[:, None]
             kk += jnp.where(at_s & (t > s)[:, None], jnp.sum(k * kd_s, axis=1)[:, None], 0.0)
             qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
         decay = jnp.exp(G)
         k_to_end = k * jnp.exp(g_last[None, :] - G)
+        glast_ref[head, chunk, :] = g_last
     else:
-        G = g_ref[head, chunk, :]  # [C]
-        g_last = g_ref[head, chunk, size - 1]
-        pair = jnp.exp(jnp.where(rows >= cols, G[:, None] - G[None, :], -jnp.inf))
-        kk = jnp.where(rows > cols, _dot(k, k, precision, trans_b=True) * pair, 0.0)
+        g = pltriton.load(g_ref.at[start + t, head], mask=ok, other=0).astype(F32)
+        G = jnp.cumsum(g)
+        g_last = jnp.sum(jnp.where(t == size - 1, G, 0.0))
+        pair = jnp.exp(jnp.where(rows_ >= cols, G[:, None] - G[None, :], -jnp.inf))
+        kk = jnp.where(rows_ > cols, _dot(k, k, precision, trans_b=True) * pair, 0.0)
         qk = _dot(q, k, precision, trans_b=True) * pair
         decay = jnp.exp(G)[:, None]
         k_to_end = k * jnp.exp(g_last - G)[:, None]
+        glast_ref[head, chunk] = g_last
 
     a = kk * beta[:, None]
     # (I + A)^-1 by blockwise doubling: X holds the inverses of the diagonal blocks of size b; merging two
     # neighbours [[X1, 0], [A21, X2]] gives [[X1, 0], [-X2 A21 X1, X2]], i.e. X <- X - X A_off X.
+    rows = rows_
     x = jnp.where(rows == cols, 1.0, 0.0) - jnp.where((rows // 2 == cols // 2) & (rows % 2 == 1) & (cols % 2 == 0), a, 0.0)
     b = 2
     while b < size:
@@ -167,38 +203,108 @@ def _state_kernel(
 # 3. Output
 
 
-def _output_kernel(qg_ref, h_ref, qk_ref, vnew_ref, o_ref, *, bv, precision):
+def _output_kernel(start_ref, lo_ref, hi_ref, qg_ref, h_ref, qk_ref, vnew_ref, o_in_ref, o_ref, *, bv, precision):
+    del o_in_ref  # aliased with o_ref (zeros): tokens outside every sequence stay zero
     chunk, head, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(slab * bv, bv)
     mm = qg_ref.dtype
     out = _dot(qg_ref[head, chunk, :, :], h_ref[head, chunk, :, cols].astype(mm), precision)
     out += _dot(qk_ref[head, chunk, :, :], vnew_ref[head, chunk, :, cols].astype(mm), precision)
-    o_ref[head, chunk, :, cols] = out.astype(o_ref.dtype)
+    size = out.shape[0]
+    t = jax.lax.broadcasted_iota(jnp.int32, (size, bv), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (size, bv), 1) + slab * bv
+    ok = (t >= lo_ref[chunk]) & (t < hi_ref[chunk])
+    pltriton.store(o_ref.at[start_ref[chunk] + t, head, c], out.astype(o_ref.dtype), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Packing and the entry point
 
 
-def chunk_table(starts: jax.Array, lengths: jax.Array, num_chunks: int, size: int):
-    """Chunks of every sequence, in sequence order: token index [num_chunks, size] (clipped), its validity, and
-    per sequence its first chunk and chunk count."""
-    count = (lengths + size - 1) // size
+def chunk_table(starts: jax.Array, lengths: jax.Array, num_tokens: int, num_chunks: int):
+    """Chunks of every sequence, in sequence order. Per chunk: the first token of its C-token window of the flat
+    buffer (clamped so the window stays inside it) and the valid rows [lo, hi) of that window; per sequence:
+    its first chunk and chunk count. Unused chunks have lo = hi = 0."""
+    count = (lengths + CHUNK - 1) // CHUNK
     ends = jnp.cumsum(count)
     first = ends - count
     i = jnp.arange(num_chunks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), starts.shape[0] - 1)
     j = i - first[seq]
-    chunk_len = jnp.where(i < ends[-1], jnp.clip(lengths[seq] - j * size, 0, size), 0)
-    offset = jnp.arange(size, dtype=jnp.int32)
-    index = starts[seq][:, None] + j[:, None] * size + offset[None, :]
-    valid = offset[None, :] < chunk_len[:, None]
-    return index, valid, first.astype(jnp.int32), count.astype(jnp.int32)
+    chunk_len = jnp.where(i < ends[-1], jnp.clip(lengths[seq] - j * CHUNK, 0, CHUNK), 0)
+    begin = starts[seq] + j * CHUNK
+    window = jnp.clip(begin, 0, num_tokens - CHUNK)
+    lo = jnp.where(chunk_len > 0, begin - window, 0)
+    as_i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return tuple(map(as_i32, (window, lo, lo + chunk_len, first, count)))
 
 
-def _l2_normalize(x):
-    x = x.astype(F32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+def _params(dtype, num_warps, num_stages):
+    exact = dtype == F32
+    precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+    return precision, pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def intra(table, q, k, v, g, beta, num_chunks, *, num_warps=4, num_stages=1, interpret=False):
+    """Kernel 1 over (chunk, head), reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk
+    layout [H, num_chunks, C, .], and the chunk's total log decay."""
+    heads, value_dim = v.shape[1:]
+    key_heads, key_dim = q.shape[1:]
+    kda = g.ndim == 3
+    mm = F32 if v.dtype == F32 else jnp.bfloat16
+    precision, params = _params(v.dtype, num_warps, num_stages)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, rep=heads // key_heads, kda=kda, precision=precision),
+        grid=(num_chunks, heads),
+        out_shape=(
+            sds((heads, num_chunks, CHUNK, key_dim), mm),
+            sds((heads, num_chunks, CHUNK, value_dim), mm),
+            sds((heads, num_chunks, CHUNK, CHUNK), mm),
+            sds((heads, num_chunks, CHUNK, key_dim), mm),
+            sds((heads, num_chunks, CHUNK, key_dim), mm),
+            sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
+        ),
+        compiler_params=params,
+        interpret=interpret,
+    )(*table[:3], q, k, v, g.astype(F32), beta)
+
+
+def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=32, num_warps=4, num_stages=2,
+          interpret=False):
+    """Kernel 2 over (sequence, head, V-slab): chunk-start states h, v', and the pool updated in place."""
+    heads, num_chunks, size, value_dim = u.shape
+    key_dim = w.shape[-1]
+    block_v = min(block_v, value_dim)
+    precision, params = _params(u.dtype, num_warps, num_stages)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_state_kernel, bv=block_v, kda=glast.ndim == 3, precision=precision),
+        grid=(first.shape[0], heads, value_dim // block_v),
+        out_shape=(
+            sds((heads, num_chunks, key_dim, value_dim), u.dtype),
+            sds((heads, num_chunks, size, value_dim), u.dtype),
+            sds(state_pool.shape, F32),
+        ),
+        input_output_aliases={8: 2},
+        compiler_params=params,
+        interpret=interpret,
+    )(first, count, slots.astype(jnp.int32), fresh.astype(jnp.int32), w, u, kd, glast, state_pool)
+
+
+def output(table, qg, h, qk, v_new, o_flat, *, block_v=64, num_warps=4, num_stages=2, interpret=False):
+    """Kernel 3 over (chunk, head, V-slab): o written into the flat buffer ``o_flat`` (aliased) by valid row."""
+    heads, num_chunks, size, value_dim = v_new.shape
+    block_v = min(block_v, value_dim)
+    precision, params = _params(v_new.dtype, num_warps, num_stages)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, bv=block_v, precision=precision),
+        grid=(num_chunks, heads, value_dim // block_v),
+        out_shape=jax.ShapeDtypeStruct(o_flat.shape, o_flat.dtype),
+        input_output_aliases={7: 0},
+        compiler_params=params,
+        interpret=interpret,
+    )(*table[:3], qg, h, qk, v_new, o_flat)
 
 
 @functools.partial(
@@ -219,7 +325,7 @@ def delta_rule_prefill(
     fresh: jax.Array,
     *,
     max_len: int | None = None,
-    block_v: int = 32,
+    block_v: tuple[int, int] = (32, 64),
     num_warps: tuple[int, int, int] = (4, 4, 4),
     num_stages: tuple[int, int, int] = (1, 2, 2),
     interpret: bool = False,
@@ -228,72 +334,24 @@ def delta_rule_prefill(
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels."""
     del max_len
     num_tokens, heads, value_dim = v.shape
-    key_heads, key_dim = q.shape[1:]
+    key_heads = q.shape[1]
     if heads % key_heads:
         raise ValueError(f"value heads ({heads}) must be a multiple of key heads ({key_heads})")
-    kda = g.ndim == 3
-    size = CHUNK
-    block_v = min(block_v, value_dim)
-    num_seqs = starts.shape[0]
-    num_chunks = num_tokens // size + num_seqs
-    exact = v.dtype == F32
-    precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-    mm = F32 if exact else jnp.bfloat16
-
-    index, valid, first, count = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_chunks, size)
-
-    def to_chunks(x, dtype):  # [N, h, ...] -> [h, num_chunks, C, ...], zeros past each sequence's end
-        x = x[index]
-        x = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
-        return jnp.moveaxis(x, 2, 0).astype(dtype)
-
-    qc = to_chunks(_l2_normalize(q) * key_dim**-0.5, mm)
-    kc = to_chunks(_l2_normalize(k), mm)
-    vc = to_chunks(v, mm)
-    gc = jnp.cumsum(to_chunks(g.astype(F32), F32), axis=2)  # chunk-local cumulative log decay
-    bc = to_chunks(beta.astype(F32), F32)
-    glast = gc[:, :, size - 1]
-
-    grid1 = (num_chunks, heads)
-    sds = jax.ShapeDtypeStruct
-    w, u, qk, qg, kd = pl.pallas_call(
-        functools.partial(_intra_kernel, rep=heads // key_heads, kda=kda, precision=precision),
-        grid=grid1,
-        out_shape=(
-            sds((heads, num_chunks, size, key_dim), mm),
-            sds((heads, num_chunks, size, value_dim), mm),
-            sds((heads, num_chunks, size, size), mm),
-            sds((heads, num_chunks, size, key_dim), mm),
-            sds((heads, num_chunks, size, key_dim), mm),
-        ),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps[0], num_stages=num_stages[0]),
-        interpret=interpret,
-    )(qc, kc, vc, gc, bc)
-
-    h, v_new, state_pool = pl.pallas_call(
-        functools.partial(_state_kernel, bv=block_v, kda=kda, precision=precision),
-        grid=(num_seqs, heads, value_dim // block_v),
-        out_shape=(
-            sds((heads, num_chunks, key_dim, value_dim), mm),
-            sds((heads, num_chunks, size, value_dim), mm),
-            sds(state_pool.shape, F32),
-        ),
-        input_output_aliases={8: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps[1], num_stages=num_stages[1]),
-        interpret=interpret,
-    )(first, count, slots.astype(jnp.int32), fresh.astype(jnp.int32), w, u, kd, glast, state_pool)
-
-    oc = pl.pallas_call(
-        functools.partial(_output_kernel, bv=block_v, precision=precision),
-        grid=(num_chunks, heads, value_dim // block_v),
-        out_shape=sds((heads, num_chunks, size, value_dim), v.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps[2], num_stages=num_stages[2]),
-        interpret=interpret,
-    )(qg, h, qk, v_new)
-
-    oc = jnp.moveaxis(oc, 0, 2).reshape(num_chunks * size, heads, value_dim)
-    target = jnp.where(valid, index, num_tokens).reshape(-1)
-    o = jnp.zeros(v.shape, v.dtype).at[target].set(oc, mode="drop")
+    if num_tokens < CHUNK:  # every chunk reads a whole C-token window of the buffer
+        pad = lambda x: jnp.pad(x, [(0, CHUNK - num_tokens)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+        o, state_pool = delta_rule_prefill(
+            pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
+            block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        return o[:num_tokens], state_pool
+    num_chunks = num_tokens // CHUNK + starts.shape[0]
+    table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
+    w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, num_warps=num_warps[0],
+                                    num_stages=num_stages[0], interpret=interpret)
+    h, v_new, state_pool = state(table[3], table[4], slots, fresh, w, u, kd, glast, state_pool,
+                                 block_v=block_v[0], num_warps=num_warps[1], num_stages=num_stages[1],
+                                 interpret=interpret)
+    o = output(table, qg, h, qk, v_new, jnp.zeros(v.shape, v.dtype), block_v=block_v[1], num_warps=num_warps[2],
+               num_stages=num_stages[2], interpret=interpret)
     return o, state_pool
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
+from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
 
 
@@ -93,10 +94,40 @@ def time_torch(fn, iters):
     return statistics.median(times)
 
 
+def breakdown(x, pool, dry):
+    """Median ms of each kernel on its own, default configuration."""
+    interp = dict(interpret=True) if dry else {}
+    num_tokens = x["q"].shape[0]
+    num_chunks = num_tokens // CHUNK + x["starts"].shape[0]
+    table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
+    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, **interp))
+    w, u, qk, qg, kd, glast = intra(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    state = jax.jit(lambda *a: kernels.state(*a, **interp))
+    h, v_new, _ = state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, jnp.array(pool, copy=True))
+    output = jax.jit(lambda *a: kernels.output(table, *a, **interp))
+    zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
+    stages = dict(
+        intra=lambda: intra(x["q"], x["k"], x["v"], x["g"], x["beta"]),
+        state=lambda: state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, pool),
+        output=lambda: output(qg, h, qk, v_new, zeros),
+    )
+    result = {}
+    for name, fn in stages.items():
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t)
+        result[name] = round(statistics.median(times) * 1e3, 3)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="try several block/warp configurations")
+    ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -105,14 +136,14 @@ def main(argv=None) -> int:
     dim = 128
     if dry:
         cases, dim, args.iters = [("gdn", 2, 80, 2), ("kda", 1, 70, 2)], 16, 1
-    configs = [dict(block_v=32, num_warps=(4, 4, 4), num_stages=(1, 2, 2))]
+    configs = [dict(block_v=(32, 64), num_warps=(4, 4, 4), num_stages=(1, 2, 2))]
     if args.sweep and not dry:
         configs += [
-            dict(block_v=bv, num_warps=(w1, w2, 4), num_stages=(1, st, 2))
-            for bv in (16, 32, 64) for w1 in (4,) for w2 in (2, 4) for st in (1, 3)
+            dict(block_v=(bv, bo), num_warps=(w1, 4, 4), num_stages=(1, 3, 2))
+            for bv in (32, 64) for bo in (64, 128) for w1 in (4, 8) if (bv, bo, w1) != (32, 64, 4)
         ]
     if dry:
-        configs = [dict(configs[0], interpret=True, block_v=16)]
+        configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
     peak = None if dry else matmul_peak()
     rows = []
@@ -157,6 +188,8 @@ def main(argv=None) -> int:
             if best is None or seconds < best[0]:
                 best = (seconds, cfg)
         seconds, cfg = best
+        if args.breakdown:
+            print("  breakdown:", breakdown(x, pool, dry), flush=True)
         tokens = batch * length
         flops = tokens * heads * (6 * dim * dim + 2 * CHUNK * (3 * dim + 2 * dim))
         row = dict(kernel=f"{kind}_prefill", device=device, date=time.strftime("%Y-%m-%d"),
@@ -168,6 +201,7 @@ def main(argv=None) -> int:
                        ours_TFLOPs=round(flops / seconds / 1e12, 1), pct_peak=round(100 * flops / seconds / peak, 1),
                        peak_TFLOPs=round(peak / 1e12, 1), err_vs_fla=f"{err_fla[0]:.1e}/{err_fla[1]:.1e}")
         rows.append(row)
+        print("  " + str(row), flush=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print(" | ".join(keys))
     for r in rows:
