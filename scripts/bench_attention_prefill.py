@@ -20,7 +20,7 @@ Cases (bf16, D = 128, page size 64):
 Times are medians over samples of ``--inner`` back-to-back calls after a warm-up; the bf16 matmul peak is
 measured (8192^3 ``jnp.dot``) and every TFLOP/s is also given as a share of it. ``--sweep`` times every
 configuration on case (a) 32/8 and uses the fastest for the whole table. ``--mgpu`` adds the experimental Mosaic
-GPU kernel (``--mgpu-config block_q,block_k,stages``; with ``--sweep`` its stages are swept too); it has never
+GPU kernel (``--mgpu-config block_q,block_k,stages,ping_pong``; with ``--sweep`` stages and ping-pong are swept); it has never
 run on a GPU before, so run it under ``timeout`` (a barrier bug would hang rather than fail). Progress lines go to stderr; one table
 to stdout at the end; ``--json PATH`` writes everything.
 """
@@ -53,7 +53,7 @@ SWEEP = [  # (block_q, block_k, num_warps, num_stages)
     if not (bq == 64 and w == 8 and bk < 128)
 ]
 DRY_SWEEP = [(32, 32, 4, 2), (32, 64, 4, 3)]
-MGPU_SWEEP = [(64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 64, 5)]
+MGPU_SWEEP = [(64, 64, st, pp) for pp in (1, 0) for st in (2, 3, 4, 5)]  # (block_q, block_k, stages, ping_pong)
 
 
 def log(msg: str) -> None:
@@ -111,9 +111,9 @@ def kernel_fn(cfg, window, dry):
 
 def mgpu_kernel_fn(cfg, window, dry):
     """The Mosaic GPU kernel; in a dry run its interpretable formulation in GPU interpret mode (abstract H100)."""
-    bq, bk, st = cfg
+    bq, bk, st, pp = cfg
     f = functools.partial(paged_attention_prefill_mgpu, window=window, block_q=bq, block_k=bk, stages=st,
-                          interpretable=dry)
+                          ping_pong=bool(pp), interpretable=dry)
     if not dry:
         return jax.jit(f)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -150,14 +150,15 @@ def time_ours(name, impl, fn, call_args, args):
 def row(case, impl, seconds, flops, peak, err=None, cfg=None):
     tf = flops / seconds / 1e12
     return dict(case=case, impl=impl, ms=seconds * 1e3, tflops=tf, pct_peak=100 * flops / seconds / peak,
-                rel_err=err, config=cfg_dict(cfg))
+                rel_err=err, config=cfg_dict(cfg, impl))
 
 
-def cfg_dict(cfg):
+def cfg_dict(cfg, impl):
     if cfg is None:
         return None
-    names = ("block_q", "block_k", "num_warps", "num_stages") if len(cfg) == 4 else ("block_q", "block_k", "stages")
-    return dict(zip(names, cfg))
+    if impl == "pallas-mosaic":
+        return dict(zip(("block_q", "block_k", "stages", "ping_pong"), cfg))
+    return dict(zip(("block_q", "block_k", "num_warps", "num_stages"), cfg))
 
 
 def case_contiguous(batch, length, heads, groups, dim, page_size, cfg, peak, args, with_baselines=True, mosaic=False):
@@ -270,8 +271,8 @@ def sweep(shape, peak, args, mosaic=False):
             log(f"sweep {i}/{len(configs)} {cfg}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s")
         except Exception as e:  # a config Triton cannot compile (e.g. out of shared memory) is skipped
             log(f"sweep {i}/{len(configs)} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-            r = dict(impl="pallas-mosaic" if mosaic else "pallas-triton", config=cfg_dict(cfg), ms=None,
-                     error=str(e)[:300])
+            impl = "pallas-mosaic" if mosaic else "pallas-triton"
+            r = dict(impl=impl, config=cfg_dict(cfg, impl), ms=None, error=str(e)[:300])
         results.append(r)
     ok = [r for r in results if r.get("ms") is not None]
     if not ok:
@@ -288,7 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="128,64,8,3", help="block_q,block_k,num_warps,num_stages")
     ap.add_argument("--sweep", action="store_true", help="time every config on case (a) 32/8 and use the best")
     ap.add_argument("--mgpu", action="store_true", help="also time the experimental Mosaic GPU kernel")
-    ap.add_argument("--mgpu-config", default="64,64,3", help="block_q,block_k,stages of the Mosaic GPU kernel")
+    ap.add_argument("--mgpu-config", default="64,64,3,1",
+                    help="block_q,block_k,stages,ping_pong (0/1) of the Mosaic GPU kernel")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--inner", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -299,8 +301,8 @@ def main(argv=None) -> int:
     if len(cfg) != 4:
         raise SystemExit("--config takes block_q,block_k,num_warps,num_stages")
     args.mgpu_cfg = tuple(int(x) for x in args.mgpu_config.split(","))
-    if len(args.mgpu_cfg) != 3:
-        raise SystemExit("--mgpu-config takes block_q,block_k,stages")
+    if len(args.mgpu_cfg) != 4:
+        raise SystemExit("--mgpu-config takes block_q,block_k,stages,ping_pong")
 
     if args.dry_run:
         args.samples, args.inner = 2, 1
@@ -339,7 +341,7 @@ def main(argv=None) -> int:
     rows += case_window(win_len, window, *heads_mha, dim, ps, cfg, peak, args)
 
     print(f"\ndevice: {device}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; Triton kernel config "
-          f"block_q,block_k,num_warps,num_stages = {cfg}" + (f"; Mosaic GPU block_q,block_k,stages = "
+          f"block_q,block_k,num_warps,num_stages = {cfg}" + (f"; Mosaic GPU block_q,block_k,stages,ping_pong = "
                                                              f"{args.mgpu_cfg}" if args.mgpu else ""))
     if sweep_rows:
         print("\nsweep (case (a) 32/8):")
