@@ -11,9 +11,13 @@ One program per (q head, query block of ``block_q`` tokens, row). It walks the r
 start) to the last key its latest query can see (causal end), so neither the pages before the window nor the
 pages after the chunk are read. Each key block is gathered row by row: key index -> (table column, offset) ->
 page id -> row of the flat [P * page_size, G, D] pool, so any page size works; when ``block_k`` divides the page
-size a block lies inside one page and is a single contiguous slice. Scores are fp32 (``precision=HIGHEST`` for
-fp32 operands, so fp32 parity is exact up to summation order); the softmax is the online one, in base 2 with the
-scale folded into one multiply; P is cast to V's dtype for the second matmul, which accumulates in fp32.
+size a block lies inside one page and is a single contiguous slice. The key loop is split in three: blocks at
+the window's trailing edge and on the causal diagonal take the position mask, the blocks between (every query
+of the block sees all their keys) take none. Empty pages (table entry 0) get a -inf bias, folded into the row
+max when the block is one page. Scores are fp32 (``precision=HIGHEST`` for fp32 operands, so fp32 parity is
+exact up to summation order; bf16 scores are not rounded to bf16 as the reference's are, so the kernel is the
+closer of the two to fp32 math); the softmax is the online one, in base 2 with the scale folded into one
+multiply; P is cast to V's dtype for the second matmul, which accumulates in fp32.
 
 Loop bounds come from the min/max of the block's query positions, so they are right for any positions (the
 engine's are consecutive per row; its padding tokens carry positions past the row's valid length, and padding
@@ -22,6 +26,9 @@ NaN: the running max starts at a finite value and the final normaliser is guarde
 
 Grid order: heads are the fastest launch dimension, so the H/G query heads that share a KV head run at the same
 time and their K/V reads hit L2; query blocks run last-first, so the longest (causal) programs start first.
+
+``paged_attention`` (the dispatch entry) uses this kernel; ``paged_attention_prefill_mgpu`` at the end of the file
+is an experimental Mosaic GPU (Hopper, FA3-style) version that has not run on a GPU yet.
 """
 
 from __future__ import annotations
