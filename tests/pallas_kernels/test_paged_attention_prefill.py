@@ -10,7 +10,12 @@ import pytest
 from apriel2_jax.ops.paged_attention import paged_attention as reference
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention_prefill import paged_attention, paged_attention_prefill, paged_attention_prefill_mgpu
+from pallas_kernels.paged_attention_prefill import (
+    paged_attention,
+    paged_attention_mosaic,
+    paged_attention_prefill,
+    paged_attention_prefill_mgpu,
+)
 
 
 def _inputs(seed, *, cached, new, length, heads, groups, dim=32, page_size=16, width=8, first_page=None,
@@ -97,6 +102,7 @@ def test_kernel_bf16_operands():
 def test_dispatch_falls_back_for_single_tokens_and_unsupported_head_dims():
     x, _ = _inputs(2, cached=[5, 9], new=[1, 1], length=1, heads=4, groups=2)
     np.testing.assert_array_equal(np.asarray(paged_attention(**x)), np.asarray(reference(**x)))
+    np.testing.assert_array_equal(np.asarray(paged_attention_mosaic(**x)), np.asarray(reference(**x)))
     x, _ = _inputs(3, cached=[5, 9], new=[4, 4], length=4, heads=4, groups=2, dim=24)
     np.testing.assert_array_equal(np.asarray(paged_attention(**x, window=8)), np.asarray(reference(**x, window=8)))
 
