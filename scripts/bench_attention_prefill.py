@@ -12,6 +12,7 @@ Cases (bf16, D = 128, page size 64):
       out contiguously (so the comparison costs it nothing but the table lookups) vs
       ``jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")`` and the jnp reference (the paged
       op); parity against cuDNN. FLOPs = 2 * B * H * T * T * D (the causal half of 4 * B * H * T * T * D).
+      Plus the 32/8 case with the engine's default page size 16 (Triton kernel only; several pages per key block).
   (b) ragged paged prefill, 32/8 heads: 8 rows of 512..4096 new tokens on top of 0..8192 cached tokens, pages
       shuffled, rows padded to T = 4096 as the engine does. Useful FLOPs only (each valid query times the keys
       it sees); parity against the reference on one KV group per row (the full reference would not fit).
@@ -171,7 +172,7 @@ def case_contiguous(batch, length, heads, groups, dim, page_size, cfg, peak, arg
     first = jnp.zeros((batch,), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     flops = 2 * batch * heads * length * length * dim
-    name = f"causal B={batch} T={length} H={heads}/{groups}"
+    name = f"causal B={batch} T={length} H={heads}/{groups}" + ("" if page_size == 64 else f" ps={page_size}")
     if not with_baselines:  # a sweep point: one kernel, one config
         fn = mgpu_kernel_fn(cfg, None, args.dry_run) if mosaic else kernel_fn(cfg, None, args.dry_run)
         t, _ = timeit(fn, q, k_pool, v_pool, table, first, pos, samples=args.samples, inner=args.inner)
@@ -335,6 +336,9 @@ def main(argv=None) -> int:
     for h, g in (heads_mha, heads_gqa):
         log(f"case (a) causal H={h}/{g}")
         rows += case_contiguous(2, length, h, g, dim, ps, cfg, peak, args)
+    # The engine's default page size (16): key blocks then gather several pages (Triton only).
+    log(f"case (a) causal H={heads_gqa[0]}/{heads_gqa[1]}, page size 16")
+    rows += case_contiguous(2, length, *heads_gqa, dim, 16, cfg, peak, args, with_baselines=False)
     log("case (b) ragged paged")
     rows += case_ragged(new, cached, rag_len, *heads_gqa, dim, ps, cfg, peak, args)
     log("case (c) sliding window")
