@@ -250,7 +250,13 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
 
     if q.ndim != 4 or q.shape[1] <= 1 or not supported(q, k_pages):
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
-    return paged_attention_prefill(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    # Provisional launch config (not yet measured: replace with the best of the bench's --sweep): the Triton
+    # flash-attention tutorial's Hopper choice for D = 128 on long chunks, narrower programs on short ones.
+    if q.shape[1] >= 128:
+        config = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    else:
+        config = dict(block_q=64, block_k=64, num_warps=4, num_stages=3)
+    return paged_attention_prefill(q, k_pages, v_pages, block_table, first_page, q_positions, window, **config)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -164,3 +164,5 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, length, window):
         for blocks in (dict(), dict(block_q=128, block_k=128, num_warps=8)):
             lowered = paged_attention_prefill.trace(*args, window=window, **blocks).lower(lowering_platforms=("cuda",))
             assert "triton" in lowered.as_text().lower()
+        entry = jax.jit(paged_attention, static_argnames="window")  # the dispatch entry's own launch config
+        assert "triton" in entry.trace(*args, window=window).lower(lowering_platforms=("cuda",)).as_text().lower()
