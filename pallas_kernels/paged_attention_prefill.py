@@ -510,6 +510,9 @@ def paged_attention_prefill_mgpu(
         )
     if block_q % 64 or block_k % 64:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be multiples of 64 (wgmma)")
+    if stages < 2:
+        # One slot would make a warpgroup's wait for the next K depend on the other's release of the same slot.
+        raise ValueError(f"stages={stages} must be >= 2")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 or None, got {window}")
     rows, length, heads, head_dim = q.shape
