@@ -30,6 +30,7 @@ _REFERENCE: dict[str, Callable] = {
     "selective_scan_decode_slots": mamba.selective_scan_decode_slots,
     "paged_attention": paged_attention.paged_attention,
     "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
+    "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}
 

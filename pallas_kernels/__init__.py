@@ -3,11 +3,44 @@ the dispatch point for the GPU backend; ``apriel2_jax.dispatch`` imports this pa
 
 from apriel2_jax import dispatch
 
-from . import delta_rule_decode
+from . import (
+    causal_conv1d,
+    delta_rule_decode,
+    delta_rule_prefill,
+    paged_attention_decode,
+    paged_attention_prefill,
+    selective_scan,
+    sequence_forms,
+)
+
+
+def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
+    """One entry for the attention op: the decode kernel for one-token rows, the prefill kernel otherwise (each
+    falls back to the jnp op for shapes it cannot take)."""
+    module = paged_attention_decode if q.shape[1] == 1 else paged_attention_prefill
+    return module.paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window)
 
 
 def register_all() -> None:
     dispatch.register("delta_rule_decode_slots", "gpu", delta_rule_decode.decode_slots)
+    dispatch.register("delta_rule_varlen_slots", "gpu", delta_rule_prefill.prefill_slots)
+    dispatch.register("selective_scan_varlen_slots", "gpu", selective_scan.varlen_slots)
+    dispatch.register("selective_scan_decode_slots", "gpu", selective_scan.decode_slots)
+    dispatch.register("causal_conv1d_varlen_slots", "gpu", causal_conv1d.varlen_slots)
+    dispatch.register("causal_conv1d_decode_slots", "gpu", causal_conv1d.decode_slots)
+    dispatch.register("paged_attention", "gpu", paged_attention)
+    # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
+    for name, fn in (
+        ("gated_delta_rule", sequence_forms.gated_delta_rule),
+        ("kda_delta_rule", sequence_forms.kda_delta_rule),
+        ("gated_delta_rule_step", sequence_forms.gated_delta_rule_step),
+        ("kda_delta_rule_step", sequence_forms.kda_delta_rule_step),
+        ("selective_scan", sequence_forms.selective_scan_seq),
+        ("selective_scan_step", sequence_forms.selective_scan_step),
+        ("causal_conv1d", sequence_forms.causal_conv1d_seq),
+        ("causal_conv1d_step", sequence_forms.causal_conv1d_step),
+    ):
+        dispatch.register(name, "gpu", fn)
 
 
 register_all()

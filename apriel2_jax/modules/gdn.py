@@ -9,8 +9,7 @@ from flax import nnx
 from ..config import GDNConfig
 from ..dispatch import op
 from ..ops.delta_rule import gdn_gate
-from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
-from .paged import gather_rows, scatter_rows
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
 
 
 class GatedDeltaNet(nnx.Module):
@@ -83,13 +82,27 @@ class GatedDeltaNet(nnx.Module):
         return self._output(o, z), {"conv": conv_state, "ssm": ssm}
 
     def paged_decode(self, x: jax.Array, batch, pool: dict):
-        """Engine decode, one token per row: the conv state (small) is gathered and scattered by slot; the
-        recurrent state is updated in place in the pool (a Pallas kernel on GPU)."""
+        """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
+        (Pallas kernels on GPU)."""
         qkv, z, beta, g = self._project(x)
-        conv = gather_rows({"conv": pool["conv"]}, batch.slots, batch.fresh)["conv"]
-        mixed, conv = conv_forward(self.convolution, qkv, conv, op)
+        mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
         q, k, v = self._split(mixed)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
         )
-        return self._output(o[:, None], z), dict(scatter_rows({"conv": pool["conv"]}, batch.slots, {"conv": conv}), ssm=ssm)
+        return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
+
+    def paged_prefill(self, x: jax.Array, batch, pool: dict):
+        """Engine prefill over padded rows [S, T]: the rows become one packed token buffer, and the varlen ops
+        read each row's states from its slot and write them back in place. Padding tokens leave them untouched."""
+        rows, length, _ = x.shape
+        qkv, z, beta, g = self._project(x)
+        mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
+        q, k, v = self._split(mixed)
+        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
+        starts, lengths = batch.varlen()
+        o, ssm = op("delta_rule_varlen_slots")(
+            flat(q), flat(k), flat(v), flat(g), flat(beta), pool["ssm"], starts, lengths, batch.slots, batch.fresh,
+            max_len=length,
+        )
+        return self._output(o.reshape(v.shape), z), {"conv": conv, "ssm": ssm}

@@ -9,8 +9,7 @@ from flax import nnx
 from ..config import KDAConfig
 from ..dispatch import op
 from ..ops.delta_rule import kda_gate
-from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward
-from .paged import gather_rows, scatter_rows
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -85,13 +84,35 @@ class KimiDeltaAttention(nnx.Module):
             o, ssm = op("kda_delta_rule")(q, k, v, g, beta, ssm)
         return self._output(o, gate), dict(convs, ssm=ssm)
 
+    def _convs_paged(self, x: jax.Array, batch, pool: dict):
+        cfg = self.cfg
+        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
+        out, convs = [], {}
+        for name, proj, conv in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                                 ("v", self.v_proj, self.v_conv)):
+            y, convs[f"conv_{name}"] = conv_paged(conv, proj(x), pool[f"conv_{name}"], batch, op)
+            out.append(y.reshape(shape))
+        return (*out, convs)
+
     def paged_decode(self, x: jax.Array, batch, pool: dict):
-        """Engine decode, one token per row: conv states gathered/scattered by slot; the recurrent state updated
-        in place in the pool (a Pallas kernel on GPU)."""
-        conv_pool = {key: pool[key] for key in ("conv_q", "conv_k", "conv_v")}
-        q, k, v, convs = self._convs(x, gather_rows(conv_pool, batch.slots, batch.fresh).get)
+        """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
+        (Pallas kernels on GPU)."""
+        q, k, v, convs = self._convs_paged(x, batch, pool)
         g, beta, gate = self._gates(x)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
         )
-        return self._output(o[:, None], gate), dict(scatter_rows(conv_pool, batch.slots, convs), ssm=ssm)
+        return self._output(o[:, None], gate), dict(convs, ssm=ssm)
+
+    def paged_prefill(self, x: jax.Array, batch, pool: dict):
+        """Engine prefill over padded rows [S, T], packed into one token buffer for the varlen slot-pool ops."""
+        rows, length, _ = x.shape
+        q, k, v, convs = self._convs_paged(x, batch, pool)
+        g, beta, gate = self._gates(x)
+        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
+        starts, lengths = batch.varlen()
+        o, ssm = op("delta_rule_varlen_slots")(
+            flat(q), flat(k), flat(v), flat(g), flat(beta), pool["ssm"], starts, lengths, batch.slots, batch.fresh,
+            max_len=length,
+        )
+        return self._output(o.reshape(v.shape), gate), dict(convs, ssm=ssm)

@@ -91,3 +91,20 @@ def conv_forward(
         y, state = op("causal_conv1d_step")(x[:, 0], conv.taps, conv.bias_or_none, state)
         return y[:, None], state
     return op("causal_conv1d")(x, conv.taps, conv.bias_or_none, state, lengths=lengths)
+
+
+def conv_paged(conv: DepthwiseConv, x: jax.Array, conv_pool: jax.Array, batch, op) -> tuple[jax.Array, jax.Array]:
+    """Engine conv over padded rows [S, T, C] whose state lives in the slot pool (updated in place): one-token
+    rows use the decode form, longer rows the varlen form over the rows flattened into one token buffer."""
+    rows, length = x.shape[:2]
+    if length == 1:
+        y, conv_pool = op("causal_conv1d_decode_slots")(
+            x[:, 0], conv.taps, conv.bias_or_none, conv_pool, batch.slots, batch.fresh
+        )
+        return y[:, None], conv_pool
+    starts, lengths = batch.varlen()
+    y, conv_pool = op("causal_conv1d_varlen_slots")(
+        x.reshape(rows * length, -1), conv.taps, conv.bias_or_none, conv_pool, starts, lengths, batch.slots,
+        batch.fresh, max_len=length,
+    )
+    return y.reshape(rows, length, -1), conv_pool

@@ -25,6 +25,12 @@ class PagedBatch:
     tables: dict  # family -> [S, M] int32 page ids by logical page, 0 = empty
     first_page: dict  # family -> [S] int32 logical index of table column 0
 
+    def varlen(self) -> tuple[jax.Array, jax.Array]:
+        """The rows as sequences packed in one token buffer (row-major [S*T]): start offsets and lengths."""
+        rows, length = self.token_mask.shape
+        starts = jnp.arange(rows, dtype=jnp.int32) * length
+        return starts, jnp.sum(self.token_mask, axis=1).astype(jnp.int32)
+
 
 def gather_rows(pool: dict, slots: jax.Array, fresh: jax.Array) -> dict:
     """State rows for the step; a fresh row starts from zeros whatever its slot held before."""

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from apriel2_jax.ops.conv import (
     causal_conv1d,
@@ -105,3 +106,29 @@ def test_conv_decode_slots_equals_steps():
     assert rel_err(y, ref_y) <= RTOL
     np.testing.assert_array_equal(np.asarray(new_pool[slots]), np.asarray(ref_rows))
     np.testing.assert_array_equal(np.asarray(new_pool)[[1, 2, 4, 5, 7]], np.asarray(pool)[[1, 2, 4, 5, 7]])
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_delta_rule_varlen_slots_equals_each_sequence_alone(kda):
+    from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots, gated_delta_rule, kda_delta_rule
+
+    rng = np.random.default_rng(7)
+    heads, key_heads, dim, tokens = 2, 2 if kda else 1, 8, 30
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k, v = f(tokens, key_heads, dim), f(tokens, key_heads, dim), f(tokens, heads, dim)
+    g = -jnp.asarray(rng.uniform(0, 1, (tokens, heads, dim) if kda else (tokens, heads)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (tokens, heads)), jnp.float32)
+    pool = f(4, heads, dim, dim)
+    starts, lengths, slots = [0, 11, 12], [11, 1, 15], [2, 0, 3]
+    fresh = [False, True, False]
+    o, new_pool = delta_rule_varlen_slots(q, k, v, g, beta, pool, jnp.asarray(starts), jnp.asarray(lengths),
+                                          jnp.asarray(slots), jnp.asarray(fresh), max_len=16)
+    fn = kda_delta_rule if kda else gated_delta_rule
+    for s, n, slot, new in zip(starts, lengths, slots, fresh):
+        init = jnp.zeros_like(pool[slot]) if new else pool[slot]
+        piece = lambda a: a[None, s:s + n]  # noqa: E731
+        o_one, state = fn(piece(q), piece(k), piece(v), piece(g), piece(beta), init[None])
+        np.testing.assert_allclose(np.asarray(o[s:s + n]), np.asarray(o_one[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(new_pool[slot]), np.asarray(state[0]), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(o[27:]))  # tokens outside every sequence
+    np.testing.assert_array_equal(np.asarray(new_pool[1]), np.asarray(pool[1]))

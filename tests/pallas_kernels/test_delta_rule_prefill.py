@@ -1,0 +1,96 @@
+"""Chunked GDN/KDA prefill kernels: interpret mode against the jnp oracle on CPU (packed sequences, slot pool),
+and cross-lowering for CUDA at production shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots
+from pallas_kernels.delta_rule_prefill import delta_rule_prefill, prefill_slots
+
+# Four sequences packed in 200 tokens: one crossing a chunk boundary, a single token in a fresh slot, one that
+# starts mid-chunk, one that ends at the buffer's end (its last window is clamped), and an empty padding row.
+STARTS = [0, 70, 71, 150, 200]
+LENGTHS = [70, 1, 75, 50, 0]
+SLOTS = [3, 1, 4, 2, 0]
+FRESH = [False, True, False, False, False]
+
+
+def _inputs(seed, kda, tokens=200, key_heads=2, heads=4, key_dim=16, value_dim=32, pool=6, dtype=jnp.float32,
+            decay=3.0, rows=5):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    key_heads = heads if kda else key_heads
+    g_shape = (tokens, heads, key_dim) if kda else (tokens, heads)
+    return dict(
+        q=f(tokens, key_heads, key_dim), k=f(tokens, key_heads, key_dim), v=f(tokens, heads, value_dim),
+        g=-jnp.asarray(rng.uniform(0.0, decay, g_shape), jnp.float32),
+        beta=jnp.asarray(rng.uniform(0.0, 1.0, (tokens, heads)), dtype),
+        state_pool=jnp.asarray(rng.standard_normal((pool, heads, key_dim, value_dim)), jnp.float32),
+        starts=jnp.asarray(STARTS[:rows], jnp.int32), lengths=jnp.asarray(LENGTHS[:rows], jnp.int32),
+        slots=jnp.asarray(SLOTS[:rows], jnp.int32), fresh=jnp.asarray(FRESH[:rows]),
+    )
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _run(x, **kw):
+    return delta_rule_prefill(**dict(x, state_pool=jnp.array(x["state_pool"], copy=True)), interpret=True, **kw)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_packed_sequences_match_the_oracle_fp32(kda):
+    x = _inputs(0, kda, decay=20.0 if kda else 3.0)  # KDA: strong per-channel decay, no lower bound
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x, block_v=(16, 32))
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+    assert not np.any(np.asarray(o)[146:150])  # the gap between sequences stays zero
+    np.testing.assert_array_equal(np.asarray(pool)[5], np.asarray(x["state_pool"])[5])  # untouched slot
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_bf16_operands(kda):
+    x = _inputs(1, kda, dtype=jnp.bfloat16, rows=4)
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x)
+    assert o.dtype == jnp.bfloat16
+    assert _rel(o, o_ref) <= 1e-2 and _rel(pool, pool_ref) <= 1e-2
+
+
+def test_buffer_shorter_than_a_chunk_and_gaps_stay_zero():
+    x = _inputs(2, kda=False, tokens=20, rows=1)
+    x.update(starts=jnp.asarray([3], jnp.int32), lengths=jnp.asarray([13], jnp.int32))
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=16)
+    o, pool = _run(x)
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+    assert not np.any(np.asarray(o)[:3]) and not np.any(np.asarray(o)[16:])
+
+
+def test_unsupported_shapes_fall_back_to_the_oracle():
+    x = _inputs(3, kda=False, key_dim=12, value_dim=24, rows=2)
+    o, pool = prefill_slots(**x, max_len=70)
+    o_ref, _ = delta_rule_varlen_slots(**x, max_len=70)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_cross_lowers_for_cuda_at_production_shapes(kda):
+    """8 sequences in 8192 tokens, 32 value heads (GDN: 8 key heads), K = V = 128, bf16 operands."""
+    S = jax.ShapeDtypeStruct
+    tokens, heads, key_heads, dim, rows = 8192, 32, 32 if kda else 8, 128, 8
+    args = (
+        S((tokens, key_heads, dim), jnp.bfloat16), S((tokens, key_heads, dim), jnp.bfloat16),
+        S((tokens, heads, dim), jnp.bfloat16),
+        S((tokens, heads, dim) if kda else (tokens, heads), jnp.float32), S((tokens, heads), jnp.bfloat16),
+        S((rows + 1, heads, dim, dim), jnp.float32),
+        S((rows,), jnp.int32), S((rows,), jnp.int32), S((rows,), jnp.int32), S((rows,), jnp.bool_),
+    )
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        text = delta_rule_prefill.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.lower().count("triton") >= 3  # the three kernels
+    assert "tf.aliasing_output" in text or "input_output_alias" in text  # the pool is updated in place
