@@ -127,12 +127,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="try several block/warp configurations")
+    ap.add_argument("--case", action="append", choices=("gdn1", "gdn8", "kda1"),
+                    help="run only these cases (default: all)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dry = args.dry_run
     cases = [("gdn", 1, 8192, 16), ("gdn", 8, 2048, 32), ("kda", 1, 8192, 16)]
+    if args.case:
+        cases = [c for c, name in zip(cases, ("gdn1", "gdn8", "kda1")) if name in args.case]
     dim = 128
     if dry:
         cases, dim, args.iters = [("gdn", 2, 80, 2), ("kda", 1, 70, 2)], 16, 1
