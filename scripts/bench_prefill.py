@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="try several block/warp configurations")
     ap.add_argument("--case", action="append", choices=("gdn1", "gdn8", "kda1"),
                     help="run only these cases (default: all)")
+    ap.add_argument("--config", action="append", default=None,
+                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out' "
+                         "(repeatable; replaces the default list)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--json", default=None)
@@ -146,6 +149,11 @@ def main(argv=None) -> int:
             dict(block_v=(bv, bo), num_warps=(w1, 4, 4), num_stages=(1, 3, 2))
             for bv in (32, 64) for bo in (64, 128) for w1 in (4, 8) if (bv, bo, w1) != (32, 64, 4)
         ]
+    if args.config:
+        configs = []
+        for text in args.config:
+            bv, bo, w1, w2, w3 = (int(x) for x in text.split(","))
+            configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2)))
     if dry:
         configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
@@ -185,6 +193,7 @@ def main(argv=None) -> int:
                        rel(np.asarray(new_pool)[np.asarray(x["slots"])], ht.float().cpu().numpy()))
             print(f"  parity vs fla: out {err_fla[0]:.1e} state {err_fla[1]:.1e}", flush=True)
             fla_s = time_torch(run_fla, args.iters)
+            print(f"  fla: {fla_s * 1e3:.3f} ms", flush=True)
         best = None
         for cfg in configs:
             seconds, pool = time_ours(x_sets, pool, args.iters, **cfg)
