@@ -15,14 +15,10 @@ from . import (
 
 
 def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
-    """One entry for the attention op: the decode kernel for one-token rows, a prefill kernel otherwise (each
+    """One entry for the attention op: the decode kernel for one-token rows, the prefill kernel otherwise (each
     falls back to the jnp op for shapes it cannot take)."""
-    if q.shape[1] == 1:
-        return paged_attention_decode.paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window)
-    # Mosaic GPU where it applies (bf16/f16, pages of a multiple of 64, >= 128 new tokens: 0.84-0.94x cuDNN on an
-    # H100 against Triton's 0.57-0.70x, docs/BENCHMARKS.md), else the Triton kernel, else the jnp op.
-    return paged_attention_prefill.paged_attention_mosaic(
-        q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    module = paged_attention_decode if q.shape[1] == 1 else paged_attention_prefill
+    return module.paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window)
 
 
 def register_all() -> None:

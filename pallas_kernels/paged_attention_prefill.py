@@ -572,8 +572,8 @@ def paged_attention_prefill_mgpu(
 
 
 def paged_attention_mosaic(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
-    """The dispatch entry for prefill (checked on an H100: docs/BENCHMARKS.md): the Mosaic GPU kernel where the
-    shapes suit it (bf16/f16, head dim a multiple of 64, page size a multiple of 64, at least one full 128-row tile of
+    """Alternative dispatch entry, for once the Mosaic GPU kernel has been checked on a GPU: it where the shapes
+    suit it (bf16/f16, head dim a multiple of 64, page size a multiple of 64, at least one full 128-row tile of
     new tokens), else the Triton entry (which itself falls back to the jnp op)."""
     if q.ndim == 4 and q.shape[1] >= 128 and k_pages.ndim == 4 and mgpu_supported(q, k_pages, 64):
         return paged_attention_prefill_mgpu(q, k_pages, v_pages, block_table, first_page, q_positions, window)
