@@ -31,6 +31,8 @@ _REFERENCE: dict[str, Callable] = {
     "paged_attention": paged_attention.paged_attention,
     "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
+    "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,
+    "kda_decode_fused_slots": delta_rule.kda_decode_fused_slots,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
@@ -45,15 +47,22 @@ def register(name: str, platform: str, fn: Callable) -> None:
 _kernels_imported = False
 
 
+def kernel(name: str) -> Callable | None:
+    """The kernel registered for ``name`` on the default backend, or None (always None under
+    ``APRIEL2_OPS=reference``). For fused ops whose unfused path is itself a chain of dispatched ops."""
+    global _kernels_imported
+    if name not in _REFERENCE:
+        raise KeyError(f"unknown op {name!r}; known ops: {sorted(_REFERENCE)}")
+    if os.environ.get("APRIEL2_OPS", "") == "reference":
+        return None
+    backend = jax.default_backend()
+    if backend != "cpu" and not _kernels_imported:
+        _kernels_imported = True
+        import pallas_kernels  # noqa: F401  (registers the GPU kernels)
+    return _KERNELS.get((name, backend))
+
+
 def op(name: str) -> Callable:
     """The implementation of ``name`` for the default backend: a registered kernel, else the jnp reference."""
-    global _kernels_imported
-    if os.environ.get("APRIEL2_OPS", "") != "reference":
-        backend = jax.default_backend()
-        if backend != "cpu" and not _kernels_imported:
-            _kernels_imported = True
-            import pallas_kernels  # noqa: F401  (registers the GPU kernels)
-        fn = _KERNELS.get((name, backend))
-        if fn is not None:
-            return fn
-    return _REFERENCE[name]
+    fn = kernel(name)
+    return _REFERENCE[name] if fn is None else fn

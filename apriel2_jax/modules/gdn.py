@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import GDNConfig
-from ..dispatch import op
+from ..dispatch import kernel, op
 from ..ops.delta_rule import gdn_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
 
@@ -84,11 +84,26 @@ class GatedDeltaNet(nnx.Module):
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
         (Pallas kernels on GPU)."""
+        fused = kernel("gdn_decode_fused_slots")
+        if fused is not None:  # conv, gates and the state update in one kernel
+            return self._paged_decode_fused(fused, x, batch, pool)
         qkv, z, beta, g = self._project(x)
         mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
         q, k, v = self._split(mixed)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+        )
+        return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
+
+    def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
+        cfg = self.cfg
+        qkvz = self.in_proj_qkvz(x)[:, 0]
+        ba = self.in_proj_ba(x)[:, 0]
+        z = qkvz[:, cfg.conv_channels :].reshape(x.shape[0], 1, cfg.value_heads, cfg.value_head_dim)
+        o, conv, ssm = fused(
+            qkvz[:, : cfg.conv_channels], self.convolution.taps, pool["conv"], ba[:, cfg.value_heads :],
+            ba[:, : cfg.value_heads], self.A_log[...], self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
+            key_heads=cfg.key_heads,
         )
         return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import KDAConfig
-from ..dispatch import op
+from ..dispatch import kernel, op
 from ..ops.delta_rule import kda_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
 
@@ -97,11 +97,29 @@ class KimiDeltaAttention(nnx.Module):
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
         (Pallas kernels on GPU)."""
+        fused = kernel("kda_decode_fused_slots")
+        if fused is not None:  # convs, gate and the state update in one kernel
+            return self._paged_decode_fused(fused, x, batch, pool)
         q, k, v, convs = self._convs_paged(x, batch, pool)
         g, beta, gate = self._gates(x)
         o, ssm = op("delta_rule_decode_slots")(
             q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
         )
+        return self._output(o[:, None], gate), dict(convs, ssm=ssm)
+
+    def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
+        cfg = self.cfg
+        shape = (x.shape[0], cfg.heads, cfg.head_dim)
+        g_raw = self.f_b_proj(self.f_a_proj(x))[:, 0].reshape(shape)
+        beta = jax.nn.sigmoid(self.beta_proj(x)[:, 0].astype(jnp.float32))
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape((x.shape[0], 1) + shape[1:])
+        o, conv_pools, ssm = fused(
+            self.q_proj(x)[:, 0], self.k_proj(x)[:, 0], self.v_proj(x)[:, 0],
+            (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
+            (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw, beta, self.A_log[...], self.dt_bias[...],
+            pool["ssm"], batch.slots, batch.fresh,
+        )
+        convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
         return self._output(o[:, None], gate), dict(convs, ssm=ssm)
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):

@@ -261,3 +261,70 @@ def delta_rule_varlen_slots(
     target = jnp.where(valid, index, num_tokens)  # invalid positions fall off the end and are dropped
     o = jnp.zeros(v.shape, v.dtype).at[target].set(out, mode="drop")
     return o, state_pool.at[slots].set(final)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode with the short convolution and the gates folded in: the oracles of pallas_kernels.delta_rule_decode_fused
+
+
+def _conv_decode(x, weight, conv_pool, slots, fresh):
+    """SiLU depthwise conv of one token against the slot pool (no bias). Returns y in x's dtype and the new rows
+    [B, K-1, C] (the last K-1 inputs)."""
+    rows = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots]).astype(x.dtype)
+    window = jnp.concatenate([rows, x[:, None]], axis=1)  # [B, K, C]
+    acc = jnp.einsum("bkc,ck->bc", window.astype(F32), weight.astype(F32), precision=HIGHEST)
+    return jax.nn.silu(acc).astype(x.dtype), window[:, 1:]
+
+
+def gdn_decode_fused_slots(
+    qkv: jax.Array,
+    conv_weight: jax.Array,
+    conv_pool: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    key_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GDN decode from the pre-conv projection: qkv [B, 2*H_k*K + H*V] (q | k | v channels), conv_weight [C, Kc],
+    conv_pool [P, Kc-1, C]; gate inputs a, b [B, H] (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in
+    b's dtype). Returns o [B, H, V], the conv pool and the state pool."""
+    heads, key_dim, value_dim = state_pool.shape[1:]
+    mixed, rows = _conv_decode(qkv, conv_weight, conv_pool, slots, fresh)
+    size = key_heads * key_dim
+    q = mixed[:, :size].reshape(-1, key_heads, key_dim)
+    k = mixed[:, size : 2 * size].reshape(-1, key_heads, key_dim)
+    v = mixed[:, 2 * size :].reshape(-1, heads, value_dim)
+    o, state_pool = delta_rule_decode_slots(q, k, v, gdn_gate(a, A_log, dt_bias), jax.nn.sigmoid(b), state_pool,
+                                            slots, fresh)
+    return o, conv_pool.at[slots].set(rows.astype(conv_pool.dtype)), state_pool
+
+
+def kda_decode_fused_slots(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    conv_weights: tuple[jax.Array, jax.Array, jax.Array],
+    conv_pools: tuple[jax.Array, jax.Array, jax.Array],
+    g_raw: jax.Array,
+    beta: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """KDA decode from the pre-conv projections q, k, v [B, H*D] with one conv each; g_raw [B, H, D] (the gate is
+    ``kda_gate``), beta [B, H] already a sigmoid. Returns o [B, H, D], the three conv pools and the state pool."""
+    heads, dim = state_pool.shape[1:3]
+    pools, mixed = [], []
+    for x, weight, pool in zip((q, k, v), conv_weights, conv_pools):
+        y, rows = _conv_decode(x, weight, pool, slots, fresh)
+        mixed.append(y.reshape(-1, heads, dim))
+        pools.append(pool.at[slots].set(rows.astype(pool.dtype)))
+    o, state_pool = delta_rule_decode_slots(*mixed, kda_gate(g_raw, A_log, dt_bias), beta, state_pool, slots, fresh)
+    return o, tuple(pools), state_pool

@@ -77,3 +77,43 @@ def test_model_chunked_prefill_and_decode_match_full_forward(tiny_runner, choice
         logits, cache = tiny_runner.extend(ids[:, a:b], a, cache, placement)
         outs.append(np.asarray(logits))
     assert rel_err(np.concatenate(outs, 1), full) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_fused_decode_kernel_wiring_matches_the_unfused_path(name):
+    """With the fused decode kernel registered (interpret mode, on CPU for the test) the module's engine decode
+    gives what the unfused chain of ops gives, and updates the same slots of the conv and state pools."""
+    from apriel2_jax import dispatch
+    from apriel2_jax.modules.paged import PagedBatch
+    from pallas_kernels import delta_rule_decode_fused
+
+    mixer = build_leaf_mixer(MIXERS[name], CONFIG.hidden_size, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    rows, slots_total = 2, 5
+    rng = np.random.default_rng(0)
+    pool = {k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+            for k, v in mixer.init_state(slots_total, 1, jnp.float32).items()}
+    batch = PagedBatch(
+        positions=jnp.asarray([[9], [0]], jnp.int32), token_mask=jnp.ones((rows, 1), bool),
+        last_index=jnp.zeros((rows,), jnp.int32), slots=jnp.asarray([3, 1], jnp.int32),
+        fresh=jnp.asarray([False, True]), tables={}, first_page={},
+    )
+    x = jax.random.normal(jax.random.key(2), (rows, 1, CONFIG.hidden_size))
+    op_name = f"{name}_decode_fused_slots"
+    assert dispatch.kernel(op_name) is None  # not registered on CPU: the unfused path
+    y_ref, pool_ref = mixer.paged_decode(x, batch, pool)
+    kernel_fn = getattr(delta_rule_decode_fused, f"{name}_decode_fused")
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(1)
+        return kernel_fn(*args, **kwargs, interpret=True, block_v=8)
+
+    dispatch.register(op_name, "cpu", fused)
+    try:
+        y, new_pool = mixer.paged_decode(x, batch, pool)
+    finally:
+        dispatch._KERNELS.pop((op_name, "cpu"))
+    assert calls, "the module did not take the fused path"
+    assert rel_err(y, y_ref) <= 1e-5
+    for key in pool_ref:
+        assert rel_err(new_pool[key], pool_ref[key]) <= 1e-5, key
