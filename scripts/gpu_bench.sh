@@ -14,4 +14,5 @@ step() {  # name seconds command...
 step prefill 140 python3 scripts/bench_prefill.py --breakdown --iters 10 --json "$out/prefill.json"
 step mamba_conv 80 python3 scripts/bench_mamba_conv.py --no-sweep --json "$out/mamba_conv.json"
 step attention_decode 90 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
+step decode_fused 80 python3 scripts/bench_decode_fused.py --json "$out/decode_fused.json"
 step attention_prefill 100 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
