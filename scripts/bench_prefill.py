@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=("gdn1", "gdn8", "kda1"),
                     help="run only these cases (default: all)")
     ap.add_argument("--config", action="append", default=None,
-                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out' "
+                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1]' "
                          "(repeatable; replaces the default list)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
@@ -152,8 +152,9 @@ def main(argv=None) -> int:
     if args.config:
         configs = []
         for text in args.config:
-            bv, bo, w1, w2, w3 = (int(x) for x in text.split(","))
-            configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2)))
+            bv, bo, w1, w2, w3, *fuse = (int(x) for x in text.split(","))
+            configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2),
+                                fuse_output=bool(fuse and fuse[0])))
     if dry:
         configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
