@@ -57,8 +57,9 @@ def kernel(name: str) -> Callable | None:
         return None
     backend = jax.default_backend()
     if backend != "cpu" and not _kernels_imported:
+        import pallas_kernels  # noqa: F401  (registers the GPU kernels; a failed import raises, every time)
+
         _kernels_imported = True
-        import pallas_kernels  # noqa: F401  (registers the GPU kernels)
     return _KERNELS.get((name, backend))
 
 

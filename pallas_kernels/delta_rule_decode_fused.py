@@ -51,7 +51,7 @@ def _kernel(
         acc = w_ref[channel, taps - 1].astype(F32) * x
         rows = []
         for j in range(taps - 1):
-            s = p_ref[slot, j, channel].astype(F32)
+            s = p_ref[slot, j, channel].astype(x_ref.dtype).astype(F32)  # rounded as the unfused conv does
             s = jnp.where(fresh, jnp.zeros_like(s), s)
             acc += w_ref[channel, j].astype(F32) * s
             rows.append(s)
@@ -148,8 +148,14 @@ def supported(key_dim: int, value_dim: int, taps: int) -> bool:
 
 def gdn_decode_fused(qkv, conv_weight, conv_pool, a, b, A_log, dt_bias, state_pool, slots, fresh, *, key_heads,
                      interpret=False, **config):
-    """Signature of ``ops.delta_rule.gdn_decode_fused_slots`` (plus kernel configuration)."""
+    """Signature of ``ops.delta_rule.gdn_decode_fused_slots`` (plus kernel configuration); the jnp op for shapes
+    the kernel cannot take."""
     heads, key_dim, value_dim = state_pool.shape[1:]
+    if not supported(key_dim, value_dim, conv_weight.shape[1]):
+        from apriel2_jax.ops.delta_rule import gdn_decode_fused_slots
+
+        return gdn_decode_fused_slots(qkv, conv_weight, conv_pool, a, b, A_log, dt_bias, state_pool, slots, fresh,
+                                      key_heads=key_heads)
     size = key_heads * key_dim
     o, nq, nk, nv, state_pool = _fused(
         qkv, qkv, qkv, conv_weight, conv_weight, conv_weight, conv_pool, conv_pool, conv_pool, a, b, A_log,
@@ -161,8 +167,14 @@ def gdn_decode_fused(qkv, conv_weight, conv_pool, a, b, A_log, dt_bias, state_po
 
 def kda_decode_fused(q, k, v, conv_weights, conv_pools, g_raw, beta, A_log, dt_bias, state_pool, slots, fresh, *,
                      interpret=False, **config):
-    """Signature of ``ops.delta_rule.kda_decode_fused_slots`` (plus kernel configuration)."""
-    heads = state_pool.shape[1]
+    """Signature of ``ops.delta_rule.kda_decode_fused_slots`` (plus kernel configuration); the jnp op for shapes
+    the kernel cannot take."""
+    heads, key_dim, value_dim = state_pool.shape[1:]
+    if not supported(key_dim, value_dim, conv_weights[0].shape[1]):
+        from apriel2_jax.ops.delta_rule import kda_decode_fused_slots
+
+        return kda_decode_fused_slots(q, k, v, conv_weights, conv_pools, g_raw, beta, A_log, dt_bias, state_pool,
+                                      slots, fresh)
     o, nq, nk, nv, state_pool = _fused(
         q, k, v, *conv_weights, *conv_pools, g_raw, beta, A_log, dt_bias, state_pool, slots, fresh,
         key_heads=heads, offsets=(0, 0, 0), kda=True, interpret=interpret, **config)

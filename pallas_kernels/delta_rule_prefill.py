@@ -423,8 +423,9 @@ def prefill_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, *
 
     if not supported(q, v):
         return delta_rule_varlen_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, max_len=max_len)
-    if starts.shape[0] * v.shape[1] >= 264:
+    lengths = jnp.minimum(lengths, max_len)  # as the oracle, which sees at most max_len tokens per sequence
+    if starts.shape[0] * v.shape[1] >= 264 and v.dtype != jnp.float32:
         # Enough (sequence, head) programs to fill 132 SMs twice: wider V-slabs re-read w and k fewer times
-        # (B=8 T=2048 H=32 on an H100: 4.07 ms with 64 against 4.53 with 32, mean over a warp/stage sweep).
+        # (bf16, B=8 T=2048 H=32 on an H100: 4.07 ms with 64 against 4.53 with 32, mean over a warp/stage sweep).
         return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, block_v=(64, 64))
     return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh)

@@ -11,6 +11,12 @@ import jax.numpy as jnp
 from . import causal_conv1d, delta_rule_decode, delta_rule_prefill, selective_scan
 
 
+def _own(x, dtype):
+    """A private copy: the kernels donate their state arguments, and the caller keeps its array (under an
+    enclosing jit the copy is free to be elided; called eagerly, it is what keeps the caller's state alive)."""
+    return jnp.array(x, dtype, copy=True)
+
+
 def _rows(batch: int, length: int):
     slots = jnp.arange(batch, dtype=jnp.int32)
     return slots * length, slots, jnp.zeros((batch,), bool)
@@ -26,14 +32,14 @@ def _delta_rule(q, k, v, g, beta, initial_state, chunk_size=64):
     starts, slots, fresh = _rows(batch, length)
     lengths = jnp.full((batch,), length, jnp.int32)
     o, state = delta_rule_prefill.prefill_slots(
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), jnp.asarray(initial_state, jnp.float32), starts,
+        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), _own(initial_state, jnp.float32), starts,
         lengths, slots, fresh, max_len=length)
     return o.reshape(v.shape), state
 
 
 def _delta_rule_step(q, k, v, g, beta, state):
     _, slots, fresh = _rows(v.shape[0], 1)
-    return delta_rule_decode.decode_slots(q, k, v, g, beta, jnp.asarray(state, jnp.float32), slots, fresh)
+    return delta_rule_decode.decode_slots(q, k, v, g, beta, _own(state, jnp.float32), slots, fresh)
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size=64):
@@ -55,13 +61,13 @@ def selective_scan_seq(u, delta, A_log, B, C, D, z, dt_bias, initial_state, chun
     lengths = jnp.full((batch,), length, jnp.int32) if mask is None else jnp.sum(mask, axis=1).astype(jnp.int32)
     y, state = selective_scan.varlen_slots(
         _flat(u), _flat(delta), A_log, _flat(B), _flat(C), D, _flat(z), dt_bias,
-        jnp.asarray(initial_state, jnp.float32), starts, lengths, slots, fresh, max_len=length)
+        _own(initial_state, jnp.float32), starts, lengths, slots, fresh, max_len=length)
     return y.reshape(u.shape), state
 
 
 def selective_scan_step(u, delta, A_log, B, C, D, z, dt_bias, state):
     _, slots, fresh = _rows(u.shape[0], 1)
-    return selective_scan.decode_slots(u, delta, A_log, B, C, D, z, dt_bias, jnp.asarray(state, jnp.float32),
+    return selective_scan.decode_slots(u, delta, A_log, B, C, D, z, dt_bias, _own(state, jnp.float32),
                                        slots, fresh)
 
 
@@ -71,11 +77,11 @@ def causal_conv1d_seq(x, weight, bias, state, activation="silu", lengths=None):
     if state is None:
         state = jnp.zeros((batch, weight.shape[1] - 1, channels), x.dtype)
     lengths = jnp.full((batch,), length, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    y, state = causal_conv1d.varlen_slots(_flat(x), weight, bias, state.astype(x.dtype), starts, lengths, slots,
+    y, state = causal_conv1d.varlen_slots(_flat(x), weight, bias, _own(state, x.dtype), starts, lengths, slots,
                                           fresh, max_len=length, activation=activation)
     return y.reshape(x.shape), state
 
 
 def causal_conv1d_step(x, weight, bias, state, activation="silu"):
     _, slots, fresh = _rows(x.shape[0], 1)
-    return causal_conv1d.decode_slots(x, weight, bias, state.astype(x.dtype), slots, fresh, activation)
+    return causal_conv1d.decode_slots(x, weight, bias, _own(state, x.dtype), slots, fresh, activation)

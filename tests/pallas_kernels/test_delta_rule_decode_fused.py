@@ -19,14 +19,14 @@ def _rng_arrays(seed, dtype):
     return rng, (lambda *s: jnp.asarray(rng.standard_normal(s), dtype))  # noqa: E731
 
 
-def _gdn_inputs(seed, dtype=jnp.float32, key_heads=2):
+def _gdn_inputs(seed, dtype=jnp.float32, key_heads=2, dim=DIM):
     rng, f = _rng_arrays(seed, dtype)
-    channels = 2 * key_heads * DIM + HEADS * DIM
+    channels = 2 * key_heads * dim + HEADS * dim
     return dict(
         qkv=f(BATCH, channels), conv_weight=f(channels, TAPS) * 0.5, conv_pool=f(POOL, TAPS - 1, channels),
         a=f(BATCH, HEADS), b=f(BATCH, HEADS), A_log=jnp.log(jnp.linspace(1.0, 8.0, HEADS)),
         dt_bias=jnp.asarray(rng.standard_normal(HEADS), jnp.float32),
-        state_pool=jnp.asarray(rng.standard_normal((POOL, HEADS, DIM, DIM)), jnp.float32),
+        state_pool=jnp.asarray(rng.standard_normal((POOL, HEADS, dim, dim)), jnp.float32),
         slots=SLOTS, fresh=FRESH,
     )
 
@@ -94,3 +94,11 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+def test_unsupported_shapes_fall_back_to_the_oracle():
+    x = _gdn_inputs(2, dim=12)  # not a power of two
+    o, conv, pool = gdn_decode_fused(**dict(x, state_pool=jnp.array(x["state_pool"], copy=True)), key_heads=2)
+    o_ref, conv_ref, pool_ref = gdn_decode_fused_slots(**x, key_heads=2)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(pool_ref))
