@@ -21,3 +21,34 @@ def hbm_bandwidth(repeats: int = 10) -> float:
         scale(x).block_until_ready()
         times.append(time.perf_counter() - start)
     return 2 * x.nbytes / statistics.median(times)
+
+
+def time_torch_cuda(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` (a torch GPU call, e.g. an fla baseline), timed with CUDA events after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def print_rows(rows: list[dict], json_path: str | None = None) -> None:
+    """The benchmark table, one ``|``-separated line per row (union of the rows' keys), and the rows as JSON."""
+    import json
+
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)

@@ -33,6 +33,19 @@ def supported(q: jax.Array, v: jax.Array, g: jax.Array) -> bool:
     return _is_power_of_two(key_dim) and _is_power_of_two(value_dim) and g.shape[-1] in (1, key_dim)
 
 
+def update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q, k, v, decay, beta, scale):
+    """One head's [K, BV] slab of the state, one token: q/k L2 norm (q scaled), decay, delta write, read.
+    q, k: [K] raw fp32; v: [BV]; decay: broadcastable to [K, BV]; beta: scalar. Shared with the fused kernel."""
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    s = state_ref[slot, head, :, cols]
+    s = jnp.where(fresh, jnp.zeros_like(s), s) * decay
+    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * u[None, :]
+    state_ref[slot, head, :, cols] = s
+    o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+
+
 def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *, rep, scale, bv, hp):
     del state_in_ref  # aliased with state_ref: the pool is updated in place
     row, group, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -45,19 +58,10 @@ def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in
         # one is updated): more bytes in flight per SM than one slab per program.
         head = group * hp + i
         key_head = head // rep
-        q = q_ref[row, key_head, :].astype(F32)
-        k = k_ref[row, key_head, :].astype(F32)
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-        v = v_ref[row, head, cols].astype(F32)
         decay = jnp.exp(g_ref[row, head, :].astype(F32))  # [1] (GDN) or [K] (KDA)
-        beta = beta_ref[row, head].astype(F32)
-        s = state_ref[slot, head, :, cols]  # [K, BV]
-        s = jnp.where(fresh, jnp.zeros_like(s), s) * decay[:, None]
-        u = beta * (v - jnp.sum(s * k[:, None], axis=0))
-        s = s + k[:, None] * u[None, :]
-        state_ref[slot, head, :, cols] = s
-        o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q_ref[row, key_head, :].astype(F32),
+                    k_ref[row, key_head, :].astype(F32), v_ref[row, head, cols].astype(F32), decay[:, None],
+                    beta_ref[row, head].astype(F32), scale)
         return carry
 
     jax.lax.fori_loop(0, hp, one_head, 0)

@@ -22,13 +22,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .delta_rule_decode import supported as _decode_supported
+from apriel2_jax.ops.norms import softplus
+
+from .delta_rule_decode import supported as _decode_supported, update_slab
 
 F32 = jnp.float32
-
-
-def _softplus(x):
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
 def _kernel(
@@ -78,26 +76,18 @@ def _kernel(
             store_rows(nk_ref, k_rows, kcols)
 
         store_rows(nv_ref, v_rows, pl.ds(head * value_dim + slab * bv, bv))
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
         rate = jnp.exp(alog_ref[head].astype(F32))
         if kda:
-            g = -rate * _softplus(gate_ref[row, head, :].astype(F32)
+            g = -rate * softplus(gate_ref[row, head, :].astype(F32)
                                   + dtb_ref[pl.ds(head * key_dim, key_dim)].astype(F32))
             beta = beta_ref[row, head].astype(F32)
         else:
-            g = -rate * _softplus(gate_ref[row, head].astype(F32) + dtb_ref[head].astype(F32))
+            g = -rate * softplus(gate_ref[row, head].astype(F32) + dtb_ref[head].astype(F32))
             b = beta_ref[row, head].astype(F32)
             beta = jax.nn.sigmoid(b).astype(beta_ref.dtype).astype(F32)  # in b's dtype, as the module
         decay = jnp.exp(g)  # scalar (GDN) or [K] (KDA)
-        cols = pl.ds(slab * bv, bv)
-        s = state_ref[slot, head, :, cols]  # [K, BV]
-        s = jnp.where(fresh, jnp.zeros_like(s), s)
-        s = s * (decay[:, None] if kda else decay)
-        u = beta * (v - jnp.sum(s * k[:, None], axis=0))
-        s = s + k[:, None] * u[None, :]
-        state_ref[slot, head, :, cols] = s
-        o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        update_slab(state_ref, o_ref, slot, row, head, pl.ds(slab * bv, bv), fresh, q, k, v,
+                    decay[:, None] if kda else decay, beta, scale)
         return carry
 
     jax.lax.fori_loop(0, hp, one_head, 0)

@@ -52,6 +52,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from apriel2_jax.ops.paged_attention import check_paged_inputs
+
 F32 = jnp.float32
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite start for the running max: exp2(-inf - m) = 0 with no inf - inf
@@ -87,25 +89,7 @@ def unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions
 
 
 def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window):
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
-    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k_pages and v_pages must both be [P, page_size, G, D]; got {k_pages.shape}, {v_pages.shape}")
-    batch, _, heads, head_dim = q.shape
-    groups = k_pages.shape[2]
-    if k_pages.shape[3] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the pages ({k_pages.shape[3]}) differ")
-    if groups == 0 or heads % groups:
-        raise ValueError(f"{heads} query heads are not a multiple of {groups} KV heads")
-    if block_table.ndim != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be [B={batch}, M], got {block_table.shape}")
-    if first_page.shape != (batch,):
-        raise ValueError(f"first_page must be [B={batch}], got {first_page.shape}")
-    if q_positions.shape != q.shape[:2]:
-        raise ValueError(f"q_positions must be [B, T]={q.shape[:2]}, got {q_positions.shape}")
-    for name, x in (("block_table", block_table), ("first_page", first_page), ("q_positions", q_positions)):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got {x.dtype}")
+    check_paged_inputs(q, k_pages, v_pages, block_table, first_page, q_positions)
     if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"window must be None or a positive int, got {window!r}")
 

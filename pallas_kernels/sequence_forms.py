@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from apriel2_jax.ops.slots import flatten_rows
+
 from . import causal_conv1d, delta_rule_decode, delta_rule_prefill, selective_scan
 
 
@@ -22,18 +24,14 @@ def _rows(batch: int, length: int):
     return slots * length, slots, jnp.zeros((batch,), bool)
 
 
-def _flat(x):
-    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-
-
 def _delta_rule(q, k, v, g, beta, initial_state, chunk_size=64):
     del chunk_size  # the kernels use their own
     batch, length = v.shape[:2]
     starts, slots, fresh = _rows(batch, length)
     lengths = jnp.full((batch,), length, jnp.int32)
     o, state = delta_rule_prefill.prefill_slots(
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), _own(initial_state, jnp.float32), starts,
-        lengths, slots, fresh, max_len=length)
+        *map(flatten_rows, (q, k, v, g, beta)), _own(initial_state, jnp.float32), starts, lengths, slots, fresh,
+        max_len=length)
     return o.reshape(v.shape), state
 
 
@@ -60,7 +58,7 @@ def selective_scan_seq(u, delta, A_log, B, C, D, z, dt_bias, initial_state, chun
     starts, slots, fresh = _rows(batch, length)
     lengths = jnp.full((batch,), length, jnp.int32) if mask is None else jnp.sum(mask, axis=1).astype(jnp.int32)
     y, state = selective_scan.varlen_slots(
-        _flat(u), _flat(delta), A_log, _flat(B), _flat(C), D, _flat(z), dt_bias,
+        flatten_rows(u), flatten_rows(delta), A_log, flatten_rows(B), flatten_rows(C), D, flatten_rows(z), dt_bias,
         _own(initial_state, jnp.float32), starts, lengths, slots, fresh, max_len=length)
     return y.reshape(u.shape), state
 
@@ -77,7 +75,7 @@ def causal_conv1d_seq(x, weight, bias, state, activation="silu", lengths=None):
     if state is None:
         state = jnp.zeros((batch, weight.shape[1] - 1, channels), x.dtype)
     lengths = jnp.full((batch,), length, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-    y, state = causal_conv1d.varlen_slots(_flat(x), weight, bias, _own(state, x.dtype), starts, lengths, slots,
+    y, state = causal_conv1d.varlen_slots(flatten_rows(x), weight, bias, _own(state, x.dtype), starts, lengths, slots,
                                           fresh, max_len=length, activation=activation)
     return y.reshape(x.shape), state
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
 from pallas_kernels.paged_attention_decode import choose_splits, paged_attention_decode  # noqa: E402
 
@@ -200,12 +199,11 @@ def decode_section(args, bandwidth):
         default_s, default_cfg, default_fn = results[0] if results and results[0][1] == configs[0] else (None,) * 3
         best_s, best_cfg, best_fn = min(results, key=lambda r: r[0]) if results else (None,) * 3
 
-        def parity(fn):
-            out = nan_primed(fn, sets[0], ref_out.shape, ref_out.dtype)
-            return rel_err(out, ref_out)
+        def parity(fn, x):
+            return rel_err(nan_primed(fn, x, ref_out.shape, ref_out.dtype), ref_out)
 
-        err_default = parity(default_fn) if default_fn else float("nan")
-        err_best = parity(best_fn) if best_fn else float("nan")
+        err_default = parity(default_fn, sets[0]) if default_fn else float("nan")
+        err_best = parity(best_fn, sets[0]) if best_fn else float("nan")
         log(f"  parity vs jnp: default {err_default:.1e}, best {err_best:.1e}")
 
         log("  jnp reference ...")
@@ -276,14 +274,8 @@ def main(argv=None) -> int:
     for r in rows:
         r.update(device=device, date=time.strftime("%Y-%m-%d"),
                  hbm_TBps=None if bandwidth is None else round(bandwidth / 1e12, 3))
-    keys = list(rows[0])
     log(f"\ndone in {time.perf_counter() - started:.0f} s\n")
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in keys))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from apriel2_jax.benchmarking import print_rows  # noqa: E402
 from apriel2_jax.ops.delta_rule import gdn_decode_fused_slots, gdn_gate, kda_decode_fused_slots, kda_gate  # noqa: E402
 from pallas_kernels import causal_conv1d, delta_rule_decode  # noqa: E402
 from pallas_kernels.delta_rule_decode_fused import gdn_decode_fused, kda_decode_fused  # noqa: E402
@@ -182,13 +182,7 @@ def main(argv=None) -> int:
             row.update(pct_hbm_fused=round(100 * state_bytes / result["fused"][0] / bandwidth, 1),
                        pct_hbm_unfused=round(100 * state_bytes / result["unfused"][0] / bandwidth, 1))
         rows.append(row)
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r.get(k, "")) for k in keys))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ q/k/v/gates are < 1% and not counted). Prints one table; ``--json`` writes the r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_decode_slots  # noqa: E402
 from pallas_kernels.delta_rule_decode import delta_rule_decode  # noqa: E402
 
@@ -107,18 +106,7 @@ def main(argv=None) -> int:
         err_fla = float(np.abs(np.asarray(o, np.float32) - o_fla).max() / np.abs(o_fla).max())
         err_fla_state = float(np.abs(np.asarray(new_pool)[order] - ht.cpu().numpy()).max() / np.abs(ht.cpu().numpy()).max())
         # Timings: fla with CUDA events; ours with a small block/warp sweep.
-        for _ in range(5):
-            run_fla()
-        torch.cuda.synchronize()
-        fla_times = []
-        for _ in range(args.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run_fla()
-            end.record()
-            torch.cuda.synchronize()
-            fla_times.append(start.elapsed_time(end) / 1e3)
-        fla_s = statistics.median(fla_times)
+        fla_s = time_torch_cuda(run_fla, args.iters, warmup=5)
         best = None
         configs = [(bv, w, 1, 1) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
         configs += [(bv, w, hp, st) for bv in (32, 64) for w in (2, 4) for hp in (4, 8) for st in (2, 3)]
@@ -147,13 +135,7 @@ def main(argv=None) -> int:
                 rel_err_best_config_vs_jnp=f"{err_best_out:.1e} / {err_best:.1e}",
             )
         )
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in keys))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

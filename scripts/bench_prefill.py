@@ -15,7 +15,6 @@ sets after warm-up. TFLOP/s counts the useful work of the chunked form, 6KV + 2C
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from apriel2_jax.benchmarking import print_rows, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
@@ -75,23 +75,6 @@ def time_ours(x_sets, pool, iters, **kw):
         pool.block_until_ready()
         times.append(time.perf_counter() - t)
     return statistics.median(times), pool
-
-
-def time_torch(fn, iters):
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def breakdown(x, pool, dry):
@@ -193,7 +176,7 @@ def main(argv=None) -> int:
             err_fla = (rel(o, o_fla.float().reshape(batch * length, heads, dim).cpu().numpy()),
                        rel(np.asarray(new_pool)[np.asarray(x["slots"])], ht.float().cpu().numpy()))
             print(f"  parity vs fla: out {err_fla[0]:.1e} state {err_fla[1]:.1e}", flush=True)
-            fla_s = time_torch(run_fla, args.iters)
+            fla_s = time_torch_cuda(run_fla, args.iters)
             print(f"  fla: {fla_s * 1e3:.3f} ms", flush=True)
         best = None
         for cfg in configs:
@@ -216,13 +199,7 @@ def main(argv=None) -> int:
                        peak_TFLOPs=round(peak / 1e12, 1), err_vs_fla=f"{err_fla[0]:.1e}/{err_fla[1]:.1e}")
         rows.append(row)
         print("  " + str(row), flush=True)
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r.get(k, "")) for k in keys))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_rows(rows, args.json)
     return 0
 
 

@@ -10,6 +10,7 @@ from ..config import GDNConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import gdn_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
+from .paged import flatten_rows
 
 
 class GatedDeltaNet(nnx.Module):
@@ -110,14 +111,13 @@ class GatedDeltaNet(nnx.Module):
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T]: the rows become one packed token buffer, and the varlen ops
         read each row's states from its slot and write them back in place. Padding tokens leave them untouched."""
-        rows, length, _ = x.shape
+        length = x.shape[1]
         qkv, z, beta, g = self._project(x)
         mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
         q, k, v = self._split(mixed)
-        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
         starts, lengths = batch.varlen()
         o, ssm = op("delta_rule_varlen_slots")(
-            flat(q), flat(k), flat(v), flat(g), flat(beta), pool["ssm"], starts, lengths, batch.slots, batch.fresh,
-            max_len=length,
+            flatten_rows(q), flatten_rows(k), flatten_rows(v), flatten_rows(g), flatten_rows(beta), pool["ssm"],
+            starts, lengths, batch.slots, batch.fresh, max_len=length,
         )
         return self._output(o.reshape(v.shape), z), {"conv": conv, "ssm": ssm}

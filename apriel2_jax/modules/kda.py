@@ -10,6 +10,7 @@ from ..config import KDAConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import kda_gate
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
+from .paged import flatten_rows
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -124,13 +125,12 @@ class KimiDeltaAttention(nnx.Module):
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T], packed into one token buffer for the varlen slot-pool ops."""
-        rows, length, _ = x.shape
+        length = x.shape[1]
         q, k, v, convs = self._convs_paged(x, batch, pool)
         g, beta, gate = self._gates(x)
-        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
         starts, lengths = batch.varlen()
         o, ssm = op("delta_rule_varlen_slots")(
-            flat(q), flat(k), flat(v), flat(g), flat(beta), pool["ssm"], starts, lengths, batch.slots, batch.fresh,
-            max_len=length,
+            flatten_rows(q), flatten_rows(k), flatten_rows(v), flatten_rows(g), flatten_rows(beta), pool["ssm"],
+            starts, lengths, batch.slots, batch.fresh, max_len=length,
         )
         return self._output(o.reshape(v.shape), gate), dict(convs, ssm=ssm)

@@ -8,7 +8,8 @@ from flax import nnx
 
 from ..config import MambaConfig
 from ..dispatch import op
-from .layers import DepthwiseConv, Linear, conv_forward
+from .layers import DepthwiseConv, Linear, conv_forward, conv_paged
+from .paged import flatten_rows
 
 
 class Mamba(nnx.Module):
@@ -97,18 +98,10 @@ class Mamba(nnx.Module):
         """Engine decode, one token per row [S, 1, d]: both states are read from and written to the slot pool by
         ``batch.slots`` in place (Pallas kernels on GPU), so no state rows are gathered or scattered here."""
         z, xs, b, c, delta, dt_bias = self._project(x)
-        slots, fresh = batch.slots, batch.fresh
-
-        def run_conv(v):
-            y, conv_pool = op("causal_conv1d_decode_slots")(
-                v[:, 0], self.conv1d.taps, self.conv1d.bias_or_none, pool["conv"], slots, fresh
-            )
-            return y[:, None], conv_pool
-
-        u, conv_pool = self._conv_then_repeat(xs, run_conv)
+        u, conv_pool = self._conv_then_repeat(xs, lambda v: conv_paged(self.conv1d, v, pool["conv"], batch, op))
         y, ssm = op("selective_scan_decode_slots")(
             u[:, 0], delta[:, 0], self.A_log[...], b[:, 0], c[:, 0], self.D[...], z[:, 0], dt_bias,
-            pool["ssm"], slots, fresh,
+            pool["ssm"], batch.slots, batch.fresh,
         )
         return self.out_proj(y[:, None]), {"conv": conv_pool, "ssm": ssm}
 
@@ -119,21 +112,10 @@ class Mamba(nnx.Module):
         sink slot) leave their slot as it was."""
         rows, length, _ = x.shape
         z, xs, b, c, delta, dt_bias = self._project(x)
-        flat = lambda a: a.reshape((rows * length,) + a.shape[2:])  # noqa: E731
-        starts = jnp.arange(rows, dtype=jnp.int32) * length
-        lengths = jnp.sum(batch.token_mask, axis=1).astype(jnp.int32)
-        slots, fresh = batch.slots, batch.fresh
-
-        def run_conv(v):
-            y, conv_pool = op("causal_conv1d_varlen_slots")(
-                flat(v), self.conv1d.taps, self.conv1d.bias_or_none, pool["conv"], starts, lengths, slots, fresh,
-                max_len=length,
-            )
-            return y.reshape(v.shape[:2] + y.shape[1:]), conv_pool
-
-        u, conv_pool = self._conv_then_repeat(xs, run_conv)
+        u, conv_pool = self._conv_then_repeat(xs, lambda v: conv_paged(self.conv1d, v, pool["conv"], batch, op))
+        starts, lengths = batch.varlen()
         y, ssm = op("selective_scan_varlen_slots")(
-            flat(u), flat(delta), self.A_log[...], flat(b), flat(c), self.D[...], flat(z), dt_bias,
-            pool["ssm"], starts, lengths, slots, fresh, max_len=length,
+            flatten_rows(u), flatten_rows(delta), self.A_log[...], flatten_rows(b), flatten_rows(c), self.D[...],
+            flatten_rows(z), dt_bias, pool["ssm"], starts, lengths, batch.slots, batch.fresh, max_len=length,
         )
         return self.out_proj(y.reshape(rows, length, -1)), {"conv": conv_pool, "ssm": ssm}

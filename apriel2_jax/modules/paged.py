@@ -13,6 +13,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..ops.slots import flatten_rows, slot_rows
+
+__all__ = ["PagedBatch", "flatten_rows", "gather_rows", "scatter_rows"]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +38,8 @@ class PagedBatch:
 
 def gather_rows(pool: dict, slots: jax.Array, fresh: jax.Array) -> dict:
     """State rows for the step; a fresh row starts from zeros whatever its slot held before."""
+    return jax.tree.map(lambda a: slot_rows(a, slots, fresh), pool)
 
-    def take(a):
-        rows = a[slots]
-        return jnp.where(fresh.reshape((-1,) + (1,) * (rows.ndim - 1)), jnp.zeros_like(rows), rows)
-
-    return jax.tree.map(take, pool)
 
 
 def scatter_rows(pool: dict, slots: jax.Array, rows: dict) -> dict:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .norms import F32, activation as _activation
+from .slots import slot_rows, varlen_rows
 
 
 def causal_conv1d(
@@ -60,21 +61,6 @@ def causal_conv1d_step(
     return acc.astype(x.dtype), window[:, 1:]
 
 
-def varlen_rows(starts: jax.Array, lengths: jax.Array, max_len: int, n_tokens: int):
-    """Padded [S, max_len] view of sequences packed in a flat token buffer (sequence s = tokens
-    starts[s] .. starts[s]+lengths[s]-1). Returns (gather indices, clipped into the buffer so padding reads stay
-    in bounds; scatter indices, ``n_tokens`` (out of bounds, dropped by ``mode="drop"``) for padding; mask)."""
-    pos = jnp.arange(max_len, dtype=jnp.int32)
-    mask = pos[None, :] < lengths.astype(jnp.int32)[:, None]
-    idx = starts.astype(jnp.int32)[:, None] + pos[None, :]
-    return jnp.clip(idx, 0, n_tokens - 1), jnp.where(mask, idx, n_tokens), mask
-
-
-def _slot_rows(pool: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
-    rows = pool[slots]
-    return jnp.where(fresh.reshape((-1,) + (1,) * (rows.ndim - 1)), jnp.zeros_like(rows), rows)
-
-
 def causal_conv1d_varlen_slots(
     x: jax.Array,
     weight: jax.Array,
@@ -99,7 +85,7 @@ def causal_conv1d_varlen_slots(
     """
     n_tokens = x.shape[0]
     gather, scatter, _ = varlen_rows(starts, lengths, max_len, n_tokens)
-    state = _slot_rows(conv_pool, slots, fresh)
+    state = slot_rows(conv_pool, slots, fresh)
     y, new = causal_conv1d(x[gather], weight, bias, state, activation, lengths=lengths)
     y_flat = jnp.zeros_like(x).at[scatter].set(y, mode="drop")
     rows = jnp.where(lengths > 0, slots, conv_pool.shape[0])
@@ -117,5 +103,5 @@ def causal_conv1d_decode_slots(
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row against the slot pool. x: [S, C]; conv_pool: [N_slots, K-1, C]. Every row writes its
     slot (padding rows write the sink slot 0). Returns y [S, C] and the pool."""
-    y, rows = causal_conv1d_step(x, weight, bias, _slot_rows(conv_pool, slots, fresh), activation)
+    y, rows = causal_conv1d_step(x, weight, bias, slot_rows(conv_pool, slots, fresh), activation)
     return y, conv_pool.at[slots].set(rows.astype(conv_pool.dtype))

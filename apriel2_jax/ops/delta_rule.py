@@ -25,7 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .conv import causal_conv1d_decode_slots
 from .norms import F32, l2_normalize, softplus
+from .slots import slot_rows, varlen_rows
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -211,7 +213,7 @@ def delta_rule_decode_slots(
     rows that start from a zero state. Returns o [B,H,V] in v's dtype and the updated pool."""
     qn, kn = _prepare_qk(q, k, v.shape[1])
     decay = (g[..., None] if g.ndim == 2 else g).astype(F32)
-    rows = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots])
+    rows = slot_rows(state_pool, slots, fresh)
     out, rows = delta_rule_step(qn, kn, v.astype(F32), decay, beta.astype(F32), rows)
     return out.astype(v.dtype), state_pool.at[slots].set(rows)
 
@@ -219,14 +221,6 @@ def delta_rule_decode_slots(
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill over a flat token buffer against a state-slot pool (the engine's layout): the oracle of
 # pallas_kernels.delta_rule_prefill
-
-
-def varlen_view(starts: jax.Array, lengths: jax.Array, max_len: int, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Token index [S, max_len] of every sequence's t-th token (clipped into the buffer) and its validity."""
-    t = jnp.arange(max_len, dtype=jnp.int32)
-    valid = t[None, :] < lengths[:, None]
-    index = jnp.clip(starts[:, None] + t[None, :], 0, num_tokens - 1)
-    return index, valid
 
 
 def delta_rule_varlen_slots(
@@ -249,31 +243,19 @@ def delta_rule_varlen_slots(
     ``starts[s] : starts[s] + lengths[s]`` (``lengths[s] <= max_len``, static); it starts from row ``slots[s]`` of
     ``state_pool`` [P, H, K, V] fp32 (zeros where ``fresh[s]``) and its final state is written back there.
     Tokens outside every sequence get a zero output. Returns o [N, H, V] in v's dtype and the pool."""
-    num_tokens = q.shape[0]
-    index, valid = varlen_view(starts, lengths, max_len, num_tokens)
-    take = lambda x: x[index]  # noqa: E731  [S, max_len, ...]
+    gather, scatter, valid = varlen_rows(starts, lengths, max_len, q.shape[0])
+    take = lambda x: x[gather]  # noqa: E731  [S, max_len, ...]
     mask = valid[..., None] if g.ndim == 2 else valid[..., None, None]
     g_rows = jnp.where(mask, take(g).astype(F32), 0.0)
     beta_rows = jnp.where(valid[..., None], take(beta), jnp.zeros_like(take(beta)))
-    rows = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots])
     fn = gated_delta_rule if g.ndim == 2 else kda_delta_rule
-    out, final = fn(take(q), take(k), take(v), g_rows, beta_rows, rows)
-    target = jnp.where(valid, index, num_tokens)  # invalid positions fall off the end and are dropped
-    o = jnp.zeros(v.shape, v.dtype).at[target].set(out, mode="drop")
+    out, final = fn(take(q), take(k), take(v), g_rows, beta_rows, slot_rows(state_pool, slots, fresh))
+    o = jnp.zeros(v.shape, v.dtype).at[scatter].set(out, mode="drop")
     return o, state_pool.at[slots].set(final)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Decode with the short convolution and the gates folded in: the oracles of pallas_kernels.delta_rule_decode_fused
-
-
-def _conv_decode(x, weight, conv_pool, slots, fresh):
-    """SiLU depthwise conv of one token against the slot pool (no bias). Returns y in x's dtype and the new rows
-    [B, K-1, C] (the last K-1 inputs)."""
-    rows = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots]).astype(x.dtype)
-    window = jnp.concatenate([rows, x[:, None]], axis=1)  # [B, K, C]
-    acc = jnp.einsum("bkc,ck->bc", window.astype(F32), weight.astype(F32), precision=HIGHEST)
-    return jax.nn.silu(acc).astype(x.dtype), window[:, 1:]
 
 
 def gdn_decode_fused_slots(
@@ -294,14 +276,14 @@ def gdn_decode_fused_slots(
     conv_pool [P, Kc-1, C]; gate inputs a, b [B, H] (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in
     b's dtype). Returns o [B, H, V], the conv pool and the state pool."""
     heads, key_dim, value_dim = state_pool.shape[1:]
-    mixed, rows = _conv_decode(qkv, conv_weight, conv_pool, slots, fresh)
+    mixed, conv_pool = causal_conv1d_decode_slots(qkv, conv_weight, None, conv_pool, slots, fresh)
     size = key_heads * key_dim
     q = mixed[:, :size].reshape(-1, key_heads, key_dim)
     k = mixed[:, size : 2 * size].reshape(-1, key_heads, key_dim)
     v = mixed[:, 2 * size :].reshape(-1, heads, value_dim)
     o, state_pool = delta_rule_decode_slots(q, k, v, gdn_gate(a, A_log, dt_bias), jax.nn.sigmoid(b), state_pool,
                                             slots, fresh)
-    return o, conv_pool.at[slots].set(rows.astype(conv_pool.dtype)), state_pool
+    return o, conv_pool, state_pool
 
 
 def kda_decode_fused_slots(
@@ -323,8 +305,8 @@ def kda_decode_fused_slots(
     heads, dim = state_pool.shape[1:3]
     pools, mixed = [], []
     for x, weight, pool in zip((q, k, v), conv_weights, conv_pools):
-        y, rows = _conv_decode(x, weight, pool, slots, fresh)
+        y, pool = causal_conv1d_decode_slots(x, weight, None, pool, slots, fresh)
         mixed.append(y.reshape(-1, heads, dim))
-        pools.append(pool.at[slots].set(rows.astype(pool.dtype)))
+        pools.append(pool)
     o, state_pool = delta_rule_decode_slots(*mixed, kda_gate(g_raw, A_log, dt_bias), beta, state_pool, slots, fresh)
     return o, tuple(pools), state_pool

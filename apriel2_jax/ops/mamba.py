@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .conv import varlen_rows
 from .norms import F32, softplus
+from .slots import slot_rows, varlen_rows
 
 
 def _expand(x: jax.Array, channels: int) -> jax.Array:
@@ -140,10 +140,9 @@ def selective_scan_varlen_slots(
     """
     n_tokens = u.shape[0]
     gather, scatter, mask = varlen_rows(starts, lengths, max_len, n_tokens)
-    rows = state_pool[slots]
-    init = jnp.where(fresh[:, None, None], jnp.zeros_like(rows), rows)
     y, final = selective_scan(
-        u[gather], delta[gather], A_log, B[gather], C[gather], D, z[gather], dt_bias, init, mask=mask
+        u[gather], delta[gather], A_log, B[gather], C[gather], D, z[gather], dt_bias,
+        slot_rows(state_pool, slots, fresh), mask=mask
     )
     y_flat = jnp.zeros_like(u).at[scatter].set(y, mode="drop")
     write = jnp.where(lengths > 0, slots, state_pool.shape[0])
@@ -166,7 +165,6 @@ def selective_scan_decode_slots(
     """One token per row against the slot pool. u, delta, z: [S, Din]; B: [S, n_groups, N]; C: [S, n_heads, N];
     state_pool: [N_slots, Din, N] fp32. Every row writes its slot (padding rows write the sink slot 0).
     Returns y [S, Din] and the pool."""
-    rows = state_pool[slots]
-    rows = jnp.where(fresh[:, None, None], jnp.zeros_like(rows), rows)
+    rows = slot_rows(state_pool, slots, fresh)
     y, rows = selective_scan_step(u, delta, A_log, B, C, D, z, dt_bias, rows)
     return y, state_pool.at[slots].set(rows)

@@ -35,6 +35,31 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
     return flat.reshape(pages.shape)
 
 
+def check_paged_inputs(q, k_pages, v_pages, block_table, first_page, q_positions) -> None:
+    """Shapes and dtypes of the paged-attention arguments (the kernels' common input checks), as ValueErrors that
+    name the argument."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [S, T, H, D], got shape {q.shape}")
+    rows, length, heads, head_dim = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [P, page_size, G, D]; got {k_pages.shape} and {v_pages.shape}")
+    groups = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"head dim of the pages ({k_pages.shape[3]}) differs from q's ({head_dim})")
+    if groups == 0 or heads % groups:
+        raise ValueError(f"the {groups} KV heads must divide the {heads} query heads "
+                         f"(query heads must be a multiple of KV heads)")
+    if block_table.ndim != 2 or block_table.shape[0] != rows:
+        raise ValueError(f"block_table must be [S={rows}, M], got {block_table.shape}")
+    if first_page.shape != (rows,):
+        raise ValueError(f"first_page must be [S={rows}], got {first_page.shape}")
+    if q_positions.shape != (rows, length):
+        raise ValueError(f"q_positions must be [S, T] = {(rows, length)}, got {q_positions.shape}")
+    for name, x in (("block_table", block_table), ("first_page", first_page), ("q_positions", q_positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+
+
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
