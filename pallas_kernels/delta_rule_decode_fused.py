@@ -84,7 +84,7 @@ def _kernel(
         else:
             g = -rate * softplus(gate_ref[row, head].astype(F32) + dtb_ref[head].astype(F32))
             b = beta_ref[row, head].astype(F32)
-            beta = jax.nn.sigmoid(b).astype(beta_ref.dtype).astype(F32)  # in b's dtype, as the module
+            beta = jax.nn.sigmoid(b).astype(beta_ref.dtype).astype(F32)  # fp32, rounded once to b's dtype (torch)
         decay = jnp.exp(g)  # scalar (GDN) or [K] (KDA)
         update_slab(state_ref, o_ref, slot, row, head, pl.ds(slab * bv, bv), fresh, q, k, v,
                     decay[:, None] if kda else decay, beta, scale)

@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from apriel2_jax.benchmarking import print_rows  # noqa: E402
+from apriel2_jax.ops.norms import activation  # noqa: E402
 from apriel2_jax.ops.delta_rule import gdn_decode_fused_slots, gdn_gate, kda_decode_fused_slots, kda_gate  # noqa: E402
 from pallas_kernels import causal_conv1d, delta_rule_decode  # noqa: E402
 from pallas_kernels.delta_rule_decode_fused import gdn_decode_fused, kda_decode_fused  # noqa: E402
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         size = Hk * D
         q, k = mixed[:, :size].reshape(B, Hk, D), mixed[:, size:2 * size].reshape(B, Hk, D)
         v = mixed[:, 2 * size:].reshape(B, H, D)
-        g, beta = gdn_gate(x["a"], A_log, dt_bias), jax.nn.sigmoid(x["b"])
+        g, beta = gdn_gate(x["a"], A_log, dt_bias), activation("sigmoid", x["b"])
         o, state = delta_decode(q, k, v, g, beta, state, x["slots"], x["fresh"])
         return o, (conv, state)
 

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
 # Correctness on the GPU with every Pallas kernel active (run through the device tool, carry .whl and .goldens):
-# the engine's golden tests, the kernel tests, and check_parity for every golden case in float32.
-# Usage: bash scripts/gpu_validate.sh OUT_DIR
+# the engine's golden tests and check_parity for every golden case and placement in float32. The runs go in
+# parallel (compilation is most of their time; 16 CPU cores), each with a small share of GPU memory.
+# Usage: bash scripts/gpu_validate.sh OUT_DIR [SECONDS]
 set -u
 out=${1:-/tmp/gpu_validate}
+limit=${2:-400}
 mkdir -p "$out"
-export APRIEL2_GOLDENS=${APRIEL2_GOLDENS:-.goldens} JAX_DEFAULT_MATMUL_PRECISION=highest
+export APRIEL2_GOLDENS=${APRIEL2_GOLDENS:-.goldens} JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.04 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import pallas_kernels, jax; print('kernels registered on', jax.devices()[0].device_kind)"
-timeout 240 env PYTHONUNBUFFERED=1 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py > "$out/test_llm.log" 2>&1
-echo "engine golden tests (kernels active): rc=$? $(tail -1 "$out/test_llm.log")"
-for case in ${CASES:-"$APRIEL2_GOLDENS"/*/}; do
-  timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/check_parity.py "$case" > "$out/parity_$(basename "$case").log" 2>&1
-  echo "check_parity $(basename "$case"): rc=$?"
-  grep -iE "fail|max" "$out/parity_$(basename "$case").log" | tail -3
+pids=()
+for case in "$APRIEL2_GOLDENS"/*/; do
+  name=$(basename "$case")
+  timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py -k "$name" \
+    > "$out/test_llm_$name.log" 2>&1 &
+  pids+=($!)
+  for placement in $(python3 -c "import json; print(' '.join(json.load(open('$case/placements.json'))))"); do
+    timeout "$limit" python3 scripts/check_parity.py "$case" --placement "$placement" \
+      > "$out/parity_${name}_$placement.log" 2>&1 &
+    pids+=($!)
+  done
 done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+for log in "$out"/test_llm_*.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
+for log in "$out"/parity_*.log; do
+  echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -ciE 'fail|error' "$log") failed/error lines"
+done
+echo "runs failed: $failed"

@@ -9,6 +9,7 @@ from flax import nnx
 from ..config import GDNConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import gdn_gate
+from ..ops.norms import activation
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
 from .paged import flatten_rows
 
@@ -42,7 +43,7 @@ class GatedDeltaNet(nnx.Module):
         qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
         ba = self.in_proj_ba(x)
         b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
-        beta = jax.nn.sigmoid(b)  # model dtype, as the reference
+        beta = activation("sigmoid", b)  # model dtype, as the reference
         g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
         return qkv, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim), beta, g
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .conv import causal_conv1d_decode_slots
-from .norms import F32, l2_normalize, softplus
+from .norms import F32, activation, l2_normalize, softplus
 from .slots import slot_rows, varlen_rows
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -281,7 +281,7 @@ def gdn_decode_fused_slots(
     q = mixed[:, :size].reshape(-1, key_heads, key_dim)
     k = mixed[:, size : 2 * size].reshape(-1, key_heads, key_dim)
     v = mixed[:, 2 * size :].reshape(-1, heads, value_dim)
-    o, state_pool = delta_rule_decode_slots(q, k, v, gdn_gate(a, A_log, dt_bias), jax.nn.sigmoid(b), state_pool,
+    o, state_pool = delta_rule_decode_slots(q, k, v, gdn_gate(a, A_log, dt_bias), activation("sigmoid", b), state_pool,
                                             slots, fresh)
     return o, conv_pool, state_pool
 

@@ -52,6 +52,15 @@ def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output):
     np.testing.assert_array_equal(np.asarray(pool)[5], np.asarray(x["state_pool"])[5])  # untouched slot
 
 
+@pytest.mark.parametrize("span_limit", [-1.0, 1e30])
+def test_kda_diagonal_factored_and_exact_forms_agree(span_limit):
+    """Mild decay: a limit of 1e30 forces the one-dot factored diagonal blocks, -1 the exact column loop."""
+    x = _inputs(4, kda=True, decay=0.5, rows=4)
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x, diag_span_limit=span_limit)
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+
+
 @pytest.mark.parametrize("kda", [False, True])
 def test_bf16_operands(kda):
     x = _inputs(1, kda, dtype=jnp.bfloat16, rows=4)
