@@ -19,17 +19,22 @@ Three kernels, following the split that fla and FlashQLA found faster than one f
    lives in registers across the sequence's chunks; it stores the state at each chunk start and v'.
 3. ``_output_kernel``, parallel over (chunk, head, V-slab): o from the stored chunk-start states.
 
-KDA's per-channel decay cannot be factored as (k e^G)(k e^-G)^T: e^-G overflows once the decay is strong
-(Apriel2's KDA gate has no lower bound). Off-diagonal 16-token sub-blocks use a reference point at the row
-sub-block's first token, so both factors are decays (<= 1); the 16 diagonal offsets are computed exactly, one
-offset at a time over all four sub-blocks.
+KDA's per-channel decay cannot be factored as (k e^G)(k e^-G)^T over a whole chunk: e^-G overflows once the decay
+is strong (Apriel2's KDA gate has no lower bound). Each 16-token row sub-block r takes its own reference point,
+the midpoint of its decay: columns of earlier sub-blocks get factors <= 1, its own columns factors within
+exp(+-span / 2), where span is the largest decay one sub-block covers in any channel. A chunk with span above
+``DIAG_SPAN_LIMIT`` is flagged and recomputed by a second kernel in the exact form (off-diagonal reference at the
+sub-block's first token, diagonal one offset at a time, every exponent <= 0); keeping it out of the first kernel
+keeps its registers out of the common case.
 
-Packing: sequences are cut into chunks that start at the sequence start, gathered (XLA) into a chunk layout
-[H, num_chunks, C, ...] with zeros past each sequence's end (zero k, beta and g: identity updates). The chunk table
-bound num_chunks = N // C + S holds for any lengths summing to at most N.
+Packing: sequences are cut into chunks that start at the sequence start; the intra kernel reads each chunk's
+C-token window of the flat buffer through the chunk table (rows outside the sequence load as zeros: zero k, beta
+and g are identity updates) and writes the chunk layout [H, num_chunks, C, ...]. The chunk table bound
+num_chunks = N // C + S holds for any lengths summing to at most N.
 
 Precision: float32 inputs run every product in IEEE fp32 (parity with the reference op); bf16 inputs use bf16
-operands with fp32 accumulation for the state products and tf32 for the intra-chunk ones, as fla does.
+operands with fp32 accumulation for the state products and GDN's q-k / k-k products (raw operands, the L2 norms
+applied as row scales afterwards), and tf32 for the other intra-chunk ones, as fla does.
 The reference (and CPU path) is ``apriel2_jax.ops.delta_rule.delta_rule_varlen_slots``.
 """
 
@@ -85,14 +90,33 @@ def _unit_lower_inverse(a, precision):
     return x
 
 
-def _intra_kernel(
-    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, *, rep, kda, precision, span_limit,
-):
-    """Register budget drives the layout: q, k, g and v are read in column slices of at most 64 (each slice
+def _intra_kernel(*refs, rep, form, precision, span_limit):
+    """``form``: "gdn"; "factored" (KDA, every chunk, also flags the chunks whose decay is too strong for it);
+    "exact" (KDA, recomputes the flagged chunks in place, a separate kernel so that its register-hungry loop
+    does not cost the factored form registers).
+
+    Register budget drives the layout: q, k, g and v are read in column slices of at most 64 (each slice
     several times, from cache) rather than held whole, and q/k are normalized by row scales applied to the
     products; whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
-    chunk, head = pl.program_id(0), pl.program_id(1)
+    ids = (pl.program_id(0), pl.program_id(1))  # outside pl.when: interpret mode cannot read them inside
+    inputs = refs[:8]
+    if form == "exact":  # refs: inputs, flag, the factored kernel's outputs (aliased), outputs
+        flag_ref, outputs = refs[8], refs[-6:]
+        pl.when(flag_ref[ids[1], ids[0]] != 0)(
+            lambda: _intra_body(*inputs, *outputs, None, ids=ids, rep=rep, form=form, precision=precision,
+                                span_limit=span_limit))
+        return
+    flag_ref = refs[14] if form == "factored" else None  # refs: inputs, outputs (, flag)
+    _intra_body(*inputs, *refs[8:14], flag_ref, ids=ids, rep=rep, form=form, precision=precision,
+                span_limit=span_limit)
+
+
+def _intra_body(
+    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+    w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, flag_ref, *, ids, rep, form, precision, span_limit,
+):
+    kda = form != "gdn"
+    chunk, head = ids
     key_head = head // rep
     size = w_ref.shape[2]
     key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
@@ -129,12 +153,15 @@ def _intra_kernel(
     beta = f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
 
     if kda:
-        # The largest decay any sub-block spans, over channels: it picks the factored or the exact form.
-        span = 0.0
-        for c0 in range(0, key_dim, bk):
-            g = f32(load(g_ref, head, c0, bk))
-            for r in range(size // SUB):
-                span = jnp.maximum(span, jnp.max(-jnp.sum(jnp.where((block == r)[:, None], g, 0.0), axis=0)))
+        if form == "factored":
+            # The largest decay any sub-block spans, over channels: beyond ``span_limit`` the exact kernel redoes
+            # the chunk (whatever this one wrote for it is overwritten).
+            span = 0.0
+            for c0 in range(0, key_dim, bk):
+                g = f32(load(g_ref, head, c0, bk))
+                for r in range(size // SUB):
+                    span = jnp.maximum(span, jnp.max(-jnp.sum(jnp.where((block == r)[:, None], g, 0.0), axis=0)))
+            flag_ref[head, chunk] = (span > span_limit).astype(jnp.int32)
 
         def factored(_):
             """One reference point per row sub-block r, the midpoint of its decay: for its rows and every column
@@ -199,7 +226,7 @@ def _intra_kernel(
                 qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
             return kk, qk
 
-        kk, qk = jax.lax.cond(span <= span_limit, factored, exact, None)
+        kk, qk = factored(None) if form == "factored" else exact(None)
         kk = jnp.where(rows > cols, kk, 0.0)
         qk = jnp.where(rows >= cols, qk, 0.0)
     else:
@@ -364,21 +391,27 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
     mm = F32 if v.dtype == F32 else jnp.bfloat16
     precision, params = _params(v.dtype, num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
-    return pl.pallas_call(
-        functools.partial(_intra_kernel, rep=heads // key_heads, kda=kda, precision=precision,
-                          span_limit=span_limit),
-        grid=(num_chunks, heads),
-        out_shape=(
-            sds((heads, num_chunks, CHUNK, key_dim), mm),
-            sds((heads, num_chunks, CHUNK, value_dim), mm),
-            sds((heads, num_chunks, CHUNK, CHUNK), mm),
-            sds((heads, num_chunks, CHUNK, key_dim), mm),
-            sds((heads, num_chunks, CHUNK, key_dim), mm),
-            sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
-        ),
-        compiler_params=params,
-        interpret=interpret,
-    )(*table[:3], q, k, v, g.astype(F32), beta)
+    outs = (
+        sds((heads, num_chunks, CHUNK, key_dim), mm),
+        sds((heads, num_chunks, CHUNK, value_dim), mm),
+        sds((heads, num_chunks, CHUNK, CHUNK), mm),
+        sds((heads, num_chunks, CHUNK, key_dim), mm),
+        sds((heads, num_chunks, CHUNK, key_dim), mm),
+        sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
+    )
+    inputs = (*table[:3], q, k, v, g.astype(F32), beta)
+
+    def call(form, out_shape, *extra, aliases=None):
+        kernel = functools.partial(_intra_kernel, rep=heads // key_heads, form=form, precision=precision,
+                                   span_limit=span_limit)
+        return pl.pallas_call(kernel, grid=(num_chunks, heads), out_shape=out_shape, compiler_params=params,
+                              input_output_aliases=aliases or {}, interpret=interpret)(*inputs, *extra)
+
+    if not kda:
+        return call("gdn", outs)
+    *results, flag = call("factored", (*outs, sds((heads, num_chunks), jnp.int32)))
+    first = len(inputs) + 1
+    return call("exact", outs, flag, *results, aliases={first + i: i for i in range(len(outs))})
 
 
 def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=32, num_warps=4, num_stages=2,
