@@ -496,7 +496,8 @@ def delta_rule_prefill(
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
-    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``)."""
+    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA chunks whose
+    sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form)."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
