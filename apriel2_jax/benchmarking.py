@@ -23,6 +23,18 @@ def hbm_bandwidth(repeats: int = 10) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
+def time_carried(step, inputs: list, carry, iters: int):
+    """Median wall seconds of ``carry = step(inputs[i % len(inputs)], carry)`` (e.g. a state pool donated from
+    call to call), each call waited for; one warm-up (compiling) call first. Returns (seconds, carry)."""
+    carry = jax.block_until_ready(step(inputs[0], carry))
+    times = []
+    for i in range(iters):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(step(inputs[i % len(inputs)], carry))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), carry
+
+
 def time_torch_cuda(fn, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` (a torch GPU call, e.g. an fla baseline), timed with CUDA events after warm-up."""
     import torch

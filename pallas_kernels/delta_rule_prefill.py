@@ -163,7 +163,7 @@ def _intra_body(
                     span = jnp.maximum(span, jnp.max(-jnp.sum(jnp.where((block == r)[:, None], g, 0.0), axis=0)))
             flag_ref[head, chunk] = (span > span_limit).astype(jnp.int32)
 
-        def factored(_):
+        def factored():
             """One reference point per row sub-block r, the midpoint of its decay: for its rows and every column
             up to its last row, exp(G_t - G_s) = exp(G_t - mid) exp(mid - G_s) with both factors within
             exp(+-span / 2) (columns of earlier sub-blocks: exp(mid - G_s) <= 1)."""
@@ -185,7 +185,7 @@ def _intra_body(
                     qk += _dot(q * row_decay, col, precision, trans_b=True)
             return kk, qk
 
-        def exact(_):
+        def exact():
             """Strong decay (no lower bound in Apriel2): every exponent <= 0. Off-diagonal sub-blocks use the
             reference point at the row sub-block's first token; the diagonal ones go one offset at a time, with
             the k row and cumulative decay of column s = SUB * (t // SUB) + o re-gathered from the flat buffer.
@@ -226,7 +226,7 @@ def _intra_body(
                 qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
             return kk, qk
 
-        kk, qk = factored(None) if form == "factored" else exact(None)
+        kk, qk = factored() if form == "factored" else exact()
         kk = jnp.where(rows > cols, kk, 0.0)
         qk = jnp.where(rows >= cols, qk, 0.0)
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 
@@ -26,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import print_rows  # noqa: E402
+from apriel2_jax.benchmarking import print_rows, time_carried  # noqa: E402
 from apriel2_jax.ops.norms import activation  # noqa: E402
 from apriel2_jax.ops.delta_rule import gdn_decode_fused_slots, gdn_gate, kda_decode_fused_slots, kda_gate  # noqa: E402
 from pallas_kernels import causal_conv1d, delta_rule_decode  # noqa: E402
@@ -53,16 +52,6 @@ def kda_inputs(seed, batch, heads, dim, dtype):
 def rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def timed(step, x_sets, carry, iters):
-    carry = jax.block_until_ready(step(x_sets[0], carry))
-    times = []
-    for i in range(iters):
-        t = time.perf_counter()
-        carry = jax.block_until_ready(step(x_sets[i % len(x_sets)], carry))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
     for name, step in (("unfused", gdn_unfused), ("fused", gdn_fused)):
         o, (conv, state) = step(x, (jnp.array(conv_pool, copy=True), jnp.array(state_pool, copy=True)))
         err = (rel(o, o_ref), rel(state, state_ref), rel(conv, conv_ref))
-        seconds = timed(lambda xs, c: step(xs, c[1]), x_sets, (None, (conv, state)), args.iters)
+        seconds = time_carried(lambda xs, c: step(xs, c[1]), x_sets, (None, (conv, state)), args.iters)[0]
         gdn_rows[name] = (seconds, err)
         print(f"gdn {name}: {seconds * 1e6:.1f} us, err out/state/conv {err[0]:.1e}/{err[1]:.1e}/{err[2]:.1e}",
               flush=True)
@@ -168,7 +157,7 @@ def main(argv=None) -> int:
         fresh_pools = (tuple(jnp.array(c, copy=True) for c in conv_pools), jnp.array(state_pool, copy=True))
         o, (convs, state) = step(x, fresh_pools)
         err = (rel(o, o_ref), rel(state, state_ref), max(rel(c, r) for c, r in zip(convs, convs_ref)))
-        seconds = timed(lambda xs, c: step(xs, c[1]), k_sets, (None, (convs, state)), args.iters)
+        seconds = time_carried(lambda xs, c: step(xs, c[1]), k_sets, (None, (convs, state)), args.iters)[0]
         kda_rows[name] = (seconds, err)
         print(f"kda {name}: {seconds * 1e6:.1f} us, err out/state/conv {err[0]:.1e}/{err[1]:.1e}/{err[2]:.1e}",
               flush=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_carried, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_decode_slots  # noqa: E402
 from pallas_kernels.delta_rule_decode import delta_rule_decode  # noqa: E402
 
@@ -44,16 +43,7 @@ def inputs(seed: int, kda: bool, batch: int, heads: int, key_heads: int, dim: in
 
 
 def time_ours(x_sets, pool, iters, **kw):
-    pool = delta_rule_decode(**x_sets[0], state_pool=pool, **kw)[1]  # compile + warm up
-    pool.block_until_ready()
-    times = []
-    for i in range(iters):
-        x = x_sets[i % len(x_sets)]
-        t = time.perf_counter()
-        o, pool = delta_rule_decode(**x, state_pool=pool, **kw)
-        pool.block_until_ready()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), pool
+    return time_carried(lambda x, p: delta_rule_decode(**x, state_pool=p, **kw)[1], x_sets, pool, iters)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import print_rows, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import print_rows, time_carried, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
@@ -66,15 +66,7 @@ def matmul_peak() -> float:
 
 
 def time_ours(x_sets, pool, iters, **kw):
-    o, pool = delta_rule_prefill(**x_sets[0], state_pool=pool, **kw)
-    pool.block_until_ready()
-    times = []
-    for i in range(iters):
-        t = time.perf_counter()
-        o, pool = delta_rule_prefill(**x_sets[i % len(x_sets)], state_pool=pool, **kw)
-        pool.block_until_ready()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), pool
+    return time_carried(lambda x, p: delta_rule_prefill(**x, state_pool=p, **kw)[1], x_sets, pool, iters)
 
 
 def breakdown(x, pool, dry):

@@ -10,8 +10,8 @@ from ..config import GDNConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import gdn_gate
 from ..ops.norms import activation
+from ..ops.slots import flatten_rows
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
-from .paged import flatten_rows
 
 
 class GatedDeltaNet(nnx.Module):
@@ -35,17 +35,21 @@ class GatedDeltaNet(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
         }
 
-    def _project(self, x: jax.Array):
-        """Input projections and gates: (pre-conv q|k|v, z [B,T,H_v,d_v], beta, g)."""
+    def _projections(self, x: jax.Array):
+        """Input projections: (pre-conv q|k|v, z [B,T,H_v,d_v], gate inputs b and a [B,T,H_v])."""
         cfg = self.cfg
         batch, length, _ = x.shape
         qkvz = self.in_proj_qkvz(x)
         qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
         ba = self.in_proj_ba(x)
         b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
+        return qkv, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim), b, a
+
+    def _project(self, x: jax.Array):
+        """Input projections and gates: (pre-conv q|k|v, z [B,T,H_v,d_v], beta, g)."""
+        qkv, z, b, a = self._projections(x)
         beta = activation("sigmoid", b)  # model dtype, as the reference
-        g = gdn_gate(a, self.A_log[...], self.dt_bias[...])
-        return qkv, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim), beta, g
+        return qkv, z, beta, gdn_gate(a, self.A_log[...], self.dt_bias[...])
 
     def _split(self, mixed: jax.Array):
         cfg = self.cfg
@@ -98,14 +102,10 @@ class GatedDeltaNet(nnx.Module):
         return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
 
     def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
-        cfg = self.cfg
-        qkvz = self.in_proj_qkvz(x)[:, 0]
-        ba = self.in_proj_ba(x)[:, 0]
-        z = qkvz[:, cfg.conv_channels :].reshape(x.shape[0], 1, cfg.value_heads, cfg.value_head_dim)
+        qkv, z, b, a = self._projections(x)
         o, conv, ssm = fused(
-            qkvz[:, : cfg.conv_channels], self.convolution.taps, pool["conv"], ba[:, cfg.value_heads :],
-            ba[:, : cfg.value_heads], self.A_log[...], self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
-            key_heads=cfg.key_heads,
+            qkv[:, 0], self.convolution.taps, pool["conv"], a[:, 0], b[:, 0], self.A_log[...], self.dt_bias[...],
+            pool["ssm"], batch.slots, batch.fresh, key_heads=self.cfg.key_heads,
         )
         return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
 

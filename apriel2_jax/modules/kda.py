@@ -9,8 +9,8 @@ from flax import nnx
 from ..config import KDAConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import kda_gate
+from ..ops.slots import flatten_rows
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
-from .paged import flatten_rows
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -44,13 +44,17 @@ class KimiDeltaAttention(nnx.Module):
             "ssm": jnp.zeros((batch, cfg.heads, cfg.head_dim, cfg.head_dim), jnp.float32),
         }
 
-    def _gates(self, x: jax.Array):
-        """(g [B,T,H,D] fp32 log decay, beta [B,T,H] fp32, output gate [B,T,H,D])."""
+    def _gate_inputs(self, x: jax.Array):
+        """(decay gate input g_raw [B,T,H,D], beta [B,T,H] fp32, output gate [B,T,H,D])."""
         cfg = self.cfg
         shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(shape), self.A_log[...], self.dt_bias[...])
         beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-        return g, beta, self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+        return self.f_b_proj(self.f_a_proj(x)).reshape(shape), beta, self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+
+    def _gates(self, x: jax.Array):
+        """(g [B,T,H,D] fp32 log decay, beta [B,T,H] fp32, output gate [B,T,H,D])."""
+        g_raw, beta, gate = self._gate_inputs(x)
+        return kda_gate(g_raw, self.A_log[...], self.dt_bias[...]), beta, gate
 
     def _convs(self, x: jax.Array, get, lengths=None):
         cfg = self.cfg
@@ -109,16 +113,12 @@ class KimiDeltaAttention(nnx.Module):
         return self._output(o[:, None], gate), dict(convs, ssm=ssm)
 
     def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
-        cfg = self.cfg
-        shape = (x.shape[0], cfg.heads, cfg.head_dim)
-        g_raw = self.f_b_proj(self.f_a_proj(x))[:, 0].reshape(shape)
-        beta = jax.nn.sigmoid(self.beta_proj(x)[:, 0].astype(jnp.float32))
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape((x.shape[0], 1) + shape[1:])
+        g_raw, beta, gate = self._gate_inputs(x)
         o, conv_pools, ssm = fused(
             self.q_proj(x)[:, 0], self.k_proj(x)[:, 0], self.v_proj(x)[:, 0],
             (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
-            (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw, beta, self.A_log[...], self.dt_bias[...],
-            pool["ssm"], batch.slots, batch.fresh,
+            (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw[:, 0], beta[:, 0], self.A_log[...],
+            self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
         )
         convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
         return self._output(o[:, None], gate), dict(convs, ssm=ssm)

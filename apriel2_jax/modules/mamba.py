@@ -8,8 +8,8 @@ from flax import nnx
 
 from ..config import MambaConfig
 from ..dispatch import op
+from ..ops.slots import flatten_rows
 from .layers import DepthwiseConv, Linear, conv_forward, conv_paged
-from .paged import flatten_rows
 
 
 class Mamba(nnx.Module):

@@ -13,9 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..ops.slots import flatten_rows, slot_rows
-
-__all__ = ["PagedBatch", "flatten_rows", "gather_rows", "scatter_rows"]
+from ..ops.slots import slot_rows
 
 
 @jax.tree_util.register_dataclass
