@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from apriel2_jax.ops.norms import softplus
 
-from .delta_rule_decode import supported as _decode_supported, update_slab
+from .delta_rule_decode import launch_grid, program_ids, supported as _decode_supported, update_slab
 
 F32 = jnp.float32
 
@@ -33,10 +33,10 @@ def _kernel(
     slots_ref, fresh_ref, xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, pq_ref, pk_ref, pv_ref,
     gate_ref, beta_ref, alog_ref, dtb_ref, state_in_ref,
     o_ref, nq_ref, nk_ref, nv_ref, state_ref,
-    *, rep, scale, bv, hp, taps, offsets, kda,
+    *, rep, scale, bv, hp, taps, offsets, kda, slab_fastest,
 ):
     del state_in_ref  # aliased with state_ref: the pool is updated in place
-    row, group, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, group, slab = program_ids(slab_fastest)
     slot = slots_ref[row]
     fresh = fresh_ref[row] != 0
     key_dim = state_ref.shape[2]
@@ -96,11 +96,12 @@ def _kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("key_heads", "offsets", "kda", "block_v", "num_warps", "heads_per_program", "num_stages",
-                     "interpret"),
+                     "slab_fastest", "interpret"),
     donate_argnames=("state_pool",),
 )
 def _fused(xq, xk, xv, wq, wk, wv, pq, pk, pv, gate, beta, A_log, dt_bias, state_pool, slots, fresh, *,
-           key_heads, offsets, kda, block_v=64, num_warps=2, heads_per_program=1, num_stages=1, interpret=False):
+           key_heads, offsets, kda, block_v=64, num_warps=4, heads_per_program=1, num_stages=1, slab_fastest=True,
+           interpret=False):
     batch = xq.shape[0]
     heads, key_dim, value_dim = state_pool.shape[1:]
     taps = wq.shape[1]
@@ -109,12 +110,13 @@ def _fused(xq, xk, xv, wq, wk, wv, pq, pk, pv, gate, beta, A_log, dt_bias, state
         raise ValueError(f"heads_per_program={heads_per_program} must divide the {heads} heads")
     kernel = functools.partial(
         _kernel, rep=heads // key_heads, scale=key_dim**-0.5, bv=block_v, hp=heads_per_program, taps=taps,
-        offsets=offsets, kda=kda)
+        offsets=offsets, kda=kda, slab_fastest=slab_fastest)
     sds = jax.ShapeDtypeStruct
     rows_dtype = pq.dtype
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads // heads_per_program, value_dim // block_v),
+        name="delta_rule_decode_fused",
+        grid=launch_grid(batch, heads // heads_per_program, value_dim // block_v, slab_fastest),
         out_shape=(
             sds((batch, heads, value_dim), xv.dtype),
             sds((batch, taps - 1, key_heads * key_dim), rows_dtype),

@@ -405,7 +405,8 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         kernel = functools.partial(_intra_kernel, rep=heads // key_heads, form=form, precision=precision,
                                    span_limit=span_limit)
         return pl.pallas_call(kernel, grid=(num_chunks, heads), out_shape=out_shape, compiler_params=params,
-                              input_output_aliases=aliases or {}, interpret=interpret)(*inputs, *extra)
+                              input_output_aliases=aliases or {}, interpret=interpret,
+                              name=f"delta_rule_intra_{form}")(*inputs, *extra)
 
     if not kda:
         return call("gdn", outs)

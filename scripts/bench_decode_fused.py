@@ -7,8 +7,9 @@
 Unfused = what the engine runs without the fused kernel: the conv decode kernel over the slot pool, the gates in
 XLA, then ``delta_rule_decode`` (``decode_slots``, the dispatch entry). Fused = ``delta_rule_decode_fused``. Both
 read the same conv and state pools by slot. Parity of both against the composed jnp oracle first; then median
-step times after warm-up over rotating inputs, and % of HBM bandwidth on the bytes of the state (read + write),
-which dominate.
+step times after warm-up over rotating inputs (``--iters`` steps in one jitted loop: device time, no per-call
+dispatch), and % of HBM bandwidth on the bytes of the state (read + write), which dominate. The fused kernel runs
+each ``--config`` (block_v,num_warps,slab_fastest); the table shows the best.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import print_rows, time_carried  # noqa: E402
+from apriel2_jax.benchmarking import print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.norms import activation  # noqa: E402
 from apriel2_jax.ops.delta_rule import gdn_decode_fused_slots, gdn_gate, kda_decode_fused_slots, kda_gate  # noqa: E402
 from pallas_kernels import causal_conv1d, delta_rule_decode  # noqa: E402
@@ -62,9 +63,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--config", action="append", default=None,
+                    help="fused kernel block_v,num_warps,slab_fastest (0/1); repeatable")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     B, H, Hk, D, taps = args.batch, args.heads, args.gdn_key_heads, args.dim, 4
+    configs = [tuple(int(v) for v in c.split(",")) for c in (args.config or ["64,4,1"])]
+    configs = [dict(block_v=bv, num_warps=w, slab_fastest=bool(sf)) for bv, w, sf in configs]
     interp = {}
     if args.dry_run:
         B, H, Hk, D, args.iters, interp = 3, 4, 2, 16, 2, dict(interpret=True)
@@ -104,21 +109,24 @@ def main(argv=None) -> int:
         o, state = delta_decode(q, k, v, g, beta, state, x["slots"], x["fresh"])
         return o, (conv, state)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def gdn_fused(x, pools):
-        conv, state = pools
-        o, conv, state = gdn_decode_fused(x["qkv"], weight, conv, x["a"], x["b"], A_log, dt_bias, state,
-                                          x["slots"], x["fresh"], key_heads=Hk, **interp)
-        return o, (conv, state)
+    def gdn_fused(cfg):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def step(x, pools):
+            conv, state = pools
+            o, conv, state = gdn_decode_fused(x["qkv"], weight, conv, x["a"], x["b"], A_log, dt_bias, state,
+                                              x["slots"], x["fresh"], key_heads=Hk, **interp, **cfg)
+            return o, (conv, state)
+
+        return step
 
     x = x_sets[0]
     o_ref, conv_ref, state_ref = gdn_decode_fused_slots(x["qkv"], weight, conv_pool, x["a"], x["b"], A_log, dt_bias,
                                                         state_pool, x["slots"], x["fresh"], key_heads=Hk)
     gdn_rows = {}
-    for name, step in (("unfused", gdn_unfused), ("fused", gdn_fused)):
+    for name, step in [("unfused", gdn_unfused)] + [(f"fused {c}", gdn_fused(c)) for c in configs]:
         o, (conv, state) = step(x, (jnp.array(conv_pool, copy=True), jnp.array(state_pool, copy=True)))
         err = (rel(o, o_ref), rel(state, state_ref), rel(conv, conv_ref))
-        seconds = time_carried(lambda xs, c: step(xs, c[1]), x_sets, (None, (conv, state)), args.iters)[0]
+        seconds = time_looped(lambda xs, c: step(xs, c)[1], x_sets, (conv, state), args.iters)[0]
         gdn_rows[name] = (seconds, err)
         print(f"gdn {name}: {seconds * 1e6:.1f} us, err out/state/conv {err[0]:.1e}/{err[1]:.1e}/{err[2]:.1e}",
               flush=True)
@@ -142,34 +150,39 @@ def main(argv=None) -> int:
         o, state = delta_decode(*mixed, g, x["beta"], state, x["slots"], x["fresh"])
         return o, (tuple(new), state)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def kda_fused(x, pools):
-        convs, state = pools
-        o, convs, state = kda_decode_fused(x["q"], x["k"], x["v"], weights, convs, x["g_raw"], x["beta"], A_log,
-                                           kda_bias, state, x["slots"], x["fresh"], **interp)
-        return o, (convs, state)
+    def kda_fused(cfg):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def step(x, pools):
+            convs, state = pools
+            o, convs, state = kda_decode_fused(x["q"], x["k"], x["v"], weights, convs, x["g_raw"], x["beta"], A_log,
+                                               kda_bias, state, x["slots"], x["fresh"], **interp, **cfg)
+            return o, (convs, state)
+
+        return step
 
     x = k_sets[0]
     o_ref, convs_ref, state_ref = kda_decode_fused_slots(x["q"], x["k"], x["v"], weights, conv_pools, x["g_raw"],
                                                          x["beta"], A_log, kda_bias, state_pool, x["slots"], x["fresh"])
     kda_rows = {}
-    for name, step in (("unfused", kda_unfused), ("fused", kda_fused)):
+    for name, step in [("unfused", kda_unfused)] + [(f"fused {c}", kda_fused(c)) for c in configs]:
         fresh_pools = (tuple(jnp.array(c, copy=True) for c in conv_pools), jnp.array(state_pool, copy=True))
         o, (convs, state) = step(x, fresh_pools)
         err = (rel(o, o_ref), rel(state, state_ref), max(rel(c, r) for c, r in zip(convs, convs_ref)))
-        seconds = time_carried(lambda xs, c: step(xs, c[1]), k_sets, (None, (convs, state)), args.iters)[0]
+        seconds = time_looped(lambda xs, c: step(xs, c)[1], k_sets, (convs, state), args.iters)[0]
         kda_rows[name] = (seconds, err)
         print(f"kda {name}: {seconds * 1e6:.1f} us, err out/state/conv {err[0]:.1e}/{err[1]:.1e}/{err[2]:.1e}",
               flush=True)
 
     for kind, result in (("gdn", gdn_rows), ("kda", kda_rows)):
+        best = min((k for k in result if k != "unfused"), key=lambda k: result[k][0])
+        fused = result[best]
         row = dict(kernel=f"{kind}_decode_fused", device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d"),
-                   shape=f"B={B} H={H} K=V={D} taps={taps}",
-                   unfused_us=round(result["unfused"][0] * 1e6, 1), fused_us=round(result["fused"][0] * 1e6, 1),
-                   speedup=round(result["unfused"][0] / result["fused"][0], 3),
-                   err_fused=f"{result['fused'][1][0]:.1e}/{result['fused'][1][1]:.1e}/{result['fused'][1][2]:.1e}")
+                   shape=f"B={B} H={H} K=V={D} taps={taps}", config=best.removeprefix("fused "),
+                   unfused_us=round(result["unfused"][0] * 1e6, 1), fused_us=round(fused[0] * 1e6, 1),
+                   speedup=round(result["unfused"][0] / fused[0], 3),
+                   err_fused=f"{fused[1][0]:.1e}/{fused[1][1]:.1e}/{fused[1][2]:.1e}")
         if bandwidth:
-            row.update(pct_hbm_fused=round(100 * state_bytes / result["fused"][0] / bandwidth, 1),
+            row.update(pct_hbm_fused=round(100 * state_bytes / fused[0] / bandwidth, 1),
                        pct_hbm_unfused=round(100 * state_bytes / result["unfused"][0] / bandwidth, 1))
         rows.append(row)
     print_rows(rows, args.json)

@@ -32,11 +32,12 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("block_v, hp", [(8, 1), (32, 1), (16, 2), (32, 4)])
-def test_kernel_matches_reference_fp32(kda, block_v, hp):
+@pytest.mark.parametrize("block_v, hp, slab_fastest", [(8, 1, False), (32, 1, True), (16, 2, True), (32, 4, False)])
+def test_kernel_matches_reference_fp32(kda, block_v, hp, slab_fastest):
     x = _inputs(0, kda)
     o_ref, pool_ref = delta_rule_decode_slots(**x)
-    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), block_v=block_v, heads_per_program=hp, interpret=True)
+    o, pool = delta_rule_decode(**dict(x, state_pool=x["state_pool"].copy()), block_v=block_v, heads_per_program=hp,
+                                slab_fastest=slab_fastest, interpret=True)
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
     untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
     np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(x["state_pool"])[untouched])
