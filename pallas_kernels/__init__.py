@@ -24,10 +24,10 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
 
 def register_all() -> None:
     dispatch.register("delta_rule_decode_slots", "gpu", delta_rule_decode.decode_slots)
-    # The fused decode (conv + gates + update in one kernel): 1.02x (GDN) and 1.04x (KDA) the unfused kernels at
-    # B=256 H=32 K=V=128 on an H100 (docs/BENCHMARKS.md, 2026-11-22).
-    dispatch.register("gdn_decode_fused_slots", "gpu", delta_rule_decode_fused.gdn_decode_fused)
-    dispatch.register("kda_decode_fused_slots", "gpu", delta_rule_decode_fused.kda_decode_fused)
+    # The fused decode kernels (conv + gates + update in one kernel, ``delta_rule_decode_fused``) are not
+    # registered: in device time at B=256 H=32 K=V=128 on an H100 the unfused chain of dispatched kernels is as
+    # fast for GDN (479 vs 480 us) and faster for KDA (459 vs 556 us), since the update kernel launches a head's
+    # slabs together (docs/BENCHMARKS.md, session 4). Without a registration the modules take that chain.
     dispatch.register("delta_rule_varlen_slots", "gpu", delta_rule_prefill.prefill_slots)
     dispatch.register("selective_scan_varlen_slots", "gpu", selective_scan.varlen_slots)
     dispatch.register("selective_scan_decode_slots", "gpu", selective_scan.decode_slots)

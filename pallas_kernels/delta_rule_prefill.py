@@ -90,147 +90,170 @@ def _unit_lower_inverse(a, precision):
     return x
 
 
-def _intra_kernel(*refs, rep, form, precision, span_limit):
-    """``form``: "gdn"; "factored" (KDA, every chunk, also flags the chunks whose decay is too strong for it);
-    "exact" (KDA, recomputes the flagged chunks in place, a separate kernel so that its register-hungry loop
-    does not cost the factored form registers).
+def _window(start_ref, lo_ref, hi_ref, chunk, size):
+    """The chunk's window of the flat buffer, and a loader for it. Rows outside [lo, hi) belong to another sequence
+    (or none) and load as zeros: zero k, beta and g make them identity updates, wherever they sit in the chunk.
+    Returns (t, ok, start, load): token offsets in the window, their validity, the window's first row, and
+    ``load(ref, head, c0, width, index=None)``, the window's rows (or rows ``index``), columns [c0, c0 + width)."""
+    start, lo, hi = start_ref[chunk], lo_ref[chunk], hi_ref[chunk]
+    t = jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+    def load(ref, h, c0, width, index=None):
+        index = t if index is None else index
+        shape = (index.shape[0], width)
+        c2 = c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        ok = (index >= lo) & (index < hi)
+        return pltriton.load(ref.at[jnp.broadcast_to((start + index)[:, None], shape), h, c2],
+                             mask=jnp.broadcast_to(ok[:, None], shape), other=0)
+
+    return t, (t >= lo) & (t < hi), start, load
+
+
+def _f32(x):
+    return x.astype(F32)
+
+
+def _norm_scale(load, ref, head, key_dim, index=None):
+    """The L2-norm row scale 1 / |x| of q or k rows, summed over column slices (no whole [C, K] tile held)."""
+    bk = min(64, key_dim)
+    sq = 0.0
+    for c0 in range(0, key_dim, bk):
+        sq += jnp.sum(jnp.square(_f32(load(ref, head, c0, bk, index))), axis=1)
+    return jax.lax.rsqrt(sq + 1e-6)
+
+
+def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, kk_ref, qk_ref, flag_ref, *, rep,
+                         precision, span_limit):
+    """KDA's decayed products for one 16-row sub-block r of a chunk, over (chunk, head, r):
+    kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
+    L2-normalized, for the sub-block's rows t. The per-channel decay cannot be factored over a whole chunk
+    (exp(-G) overflows under strong decay; Apriel2's KDA gate has no lower bound), so each sub-block takes its
+    own reference point, the midpoint of its decay: columns of earlier sub-blocks get factors <= 1, its own
+    columns factors within exp(+-span / 2), span being the decay the sub-block covers in a channel. A sub-block
+    with span above ``span_limit`` in any channel is flagged; ``_kda_exact_kernel`` then redoes its chunk.
+
+    A program per sub-block keeps its row tiles at 16 rows, loaded straight from the buffer, and its registers
+    few: one kernel for the whole chunk held 255 registers (12.5% occupancy) and multiplied 64-row tiles of which
+    only 16 rows were non-zero (Nsight Compute, H100)."""
+    chunk, head, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    key_head = head // rep
+    size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
+    bs = min(64, key_dim)
+    t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+    rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    k_scale_rows = _norm_scale(load, k_ref, key_head, key_dim, rows)
+    q_scale_rows = _norm_scale(load, q_ref, key_head, key_dim, rows) * key_dim**-0.5
+    before = (t < r * SUB)[:, None]
+    reach = (t < (r + 1) * SUB)[:, None]  # columns this sub-block's rows see
+    kk = jnp.zeros((SUB, size), F32)
+    qk = jnp.zeros((SUB, size), F32)
+    span = 0.0
+    for c0 in range(0, key_dim, bs):
+        g = _f32(load(g_ref, head, c0, bs))
+        g_rows = _f32(load(g_ref, head, c0, bs, rows))
+        base = jnp.sum(jnp.where(before, g, 0.0), axis=0)  # G just before the sub-block
+        total = jnp.sum(g_rows, axis=0)  # the sub-block's own decay, <= 0
+        span = jnp.maximum(span, jnp.max(-total))
+        mid = (base + 0.5 * total)[None, :]
+        row_decay = jnp.exp(base[None, :] + jnp.cumsum(g_rows, axis=0) - mid)
+        col = _f32(load(k_ref, key_head, c0, bs)) * jnp.exp(jnp.where(reach, mid - jnp.cumsum(g, axis=0), -jnp.inf))
+        kk += _dot(_f32(load(k_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
+        qk += _dot(_f32(load(q_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
+    flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
+    below = rows[:, None] - t[None, :]
+    kk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
+    qk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(
+        below >= 0, qk * (q_scale_rows[:, None] * k_scale[None, :]), 0.0).astype(qk_ref.dtype)
+
+
+def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, kk_in_ref, qk_in_ref, kk_ref, qk_ref,
+                      *, rep, precision):
+    """The flagged chunks' kk and qk again, with every exponent <= 0 (strong decay; outputs aliased onto
+    ``_kda_products_kernel``'s). Off-diagonal sub-blocks use the reference point at the row sub-block's first
+    token; the diagonal ones go one offset at a time, with the k row and cumulative decay of column
+    s = SUB * (t // SUB) + o re-gathered from the flat buffer. Whole tiles: slow (register spills), and only taken
+    for decays beyond the span limit."""
+    del kk_in_ref, qk_in_ref
+    chunk, head = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode cannot read them inside
+    flagged = jnp.max(flag_ref[head, chunk, :]) != 0
+
+    @pl.when(flagged)
+    def _():
+        key_head = head // rep
+        size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
+        t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+        block = t // SUB
+        cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+        g = _f32(load(g_ref, head, 0, key_dim))
+        k = _f32(load(k_ref, key_head, 0, key_dim)) * _norm_scale(load, k_ref, key_head, key_dim)[:, None]
+        q = (_f32(load(q_ref, key_head, 0, key_dim))
+             * (_norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5)[:, None])
+        # Cumulative decay from sub-block bases plus within-sub-block running sums, the same arithmetic the
+        # diagonal pass repeats on gathered rows, so G_t - G_s is exactly 0 at s = t.
+        base = jnp.zeros_like(g)
+        for r in range(SUB, size, SUB):
+            head_sum = jnp.sum(jnp.where((t < r)[:, None], g, 0.0), axis=0)
+            base = jnp.where((block == r // SUB)[:, None], head_sum[None, :], base)
+        running = base
+        G = base
+        for o in range(SUB):
+            running = running + _f32(load(g_ref, head, 0, key_dim, block * SUB + o))
+            G = jnp.where((t % SUB == o)[:, None], running, G)
+        kk = jnp.zeros((size, size), F32)
+        qk = jnp.zeros((size, size), F32)
+        for r in range(SUB, size, SUB):
+            g_at_r = jnp.sum(jnp.where((t == r)[:, None], G, 0.0), axis=0)  # [K]
+            in_rows = ((t >= r) & (t < r + SUB))[:, None]
+            row_decay = jnp.exp(jnp.minimum(G - g_at_r[None, :], 0.0))
+            col_decay = jnp.where((t < r)[:, None], jnp.exp(jnp.minimum(g_at_r[None, :] - G, 0.0)), 0.0)
+            kb = k * col_decay
+            kk += _dot(jnp.where(in_rows, k * row_decay, 0.0), kb, precision, trans_b=True)
+            qk += _dot(jnp.where(in_rows, q * row_decay, 0.0), kb, precision, trans_b=True)
+        running = base
+        for o in range(SUB):
+            s = block * SUB + o
+            running = running + _f32(load(g_ref, head, 0, key_dim, s))
+            k_s = _f32(load(k_ref, key_head, 0, key_dim, s))
+            k_s = k_s * jax.lax.rsqrt(jnp.sum(k_s * k_s, axis=1, keepdims=True) + 1e-6)
+            kd_s = k_s * jnp.exp(jnp.minimum(G - running, 0.0))
+            at_s = cols == s[:, None]
+            kk += jnp.where(at_s & (t > s)[:, None], jnp.sum(k * kd_s, axis=1)[:, None], 0.0)
+            qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
+        kk_ref[head, chunk, :, :] = jnp.where(rows > cols, kk, 0.0)
+        qk_ref[head, chunk, :, :] = jnp.where(rows >= cols, qk, 0.0).astype(qk_ref.dtype)
+
+
+def _intra_kernel(*refs, rep, kda, precision):
+    """Over (chunk, head): (I + beta A)^-1 and what the other kernels need, w, u, the decayed q and k, the
+    chunk's total decay, and for GDN the masked q-k matrix (KDA's kk and qk come from ``_kda_products_kernel``).
 
     Register budget drives the layout: q, k, g and v are read in column slices of at most 64 (each slice
     several times, from cache) rather than held whole, and q/k are normalized by row scales applied to the
     products; whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
-    ids = (pl.program_id(0), pl.program_id(1))  # outside pl.when: interpret mode cannot read them inside
-    inputs = refs[:8]
-    if form == "exact":  # refs: inputs, flag, the factored kernel's outputs (aliased), outputs
-        flag_ref, outputs = refs[8], refs[-6:]
-        pl.when(flag_ref[ids[1], ids[0]] != 0)(
-            lambda: _intra_body(*inputs, *outputs, None, ids=ids, rep=rep, form=form, precision=precision,
-                                span_limit=span_limit))
-        return
-    flag_ref = refs[14] if form == "factored" else None  # refs: inputs, outputs (, flag)
-    _intra_body(*inputs, *refs[8:14], flag_ref, ids=ids, rep=rep, form=form, precision=precision,
-                span_limit=span_limit)
-
-
-def _intra_body(
-    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-    w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, flag_ref, *, ids, rep, form, precision, span_limit,
-):
-    kda = form != "gdn"
-    chunk, head = ids
+    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
+    if kda:  # refs: inputs, kk, outputs
+        kk_ref, (w_ref, u_ref, qg_ref, kd_ref, glast_ref), qk_ref = refs[8], refs[9:], None
+    else:
+        kk_ref, (w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref) = None, refs[8:]
+    chunk, head = pl.program_id(0), pl.program_id(1)
     key_head = head // rep
     size = w_ref.shape[2]
     key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
     bk, bv = min(64, key_dim), min(64, value_dim)
-    # The chunk's window of the flat buffer; rows outside [lo, hi) belong to another sequence (or none) and load
-    # as zeros: zero k, beta and g make them identity updates, wherever they sit in the chunk.
-    start, lo, hi = start_ref[chunk], lo_ref[chunk], hi_ref[chunk]
-    t = jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
-    ok = (t >= lo) & (t < hi)
+    t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-    block = t // SUB
     out = w_ref.dtype
-
-    def load(ref, h, c0, width, index=None):
-        """Rows of the window (or rows ``index``), columns [c0, c0 + width), as stored."""
-        r = start + (t if index is None else index)
-        shape = (size, width)
-        c2 = c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        okr = ok if index is None else (index >= lo) & (index < hi)
-        return pltriton.load(ref.at[jnp.broadcast_to(r[:, None], shape), h, c2],
-                             mask=jnp.broadcast_to(okr[:, None], shape), other=0)
-
-    def f32(x):
-        return x.astype(F32)
-
-    # Row scales of the L2 norm (q also scaled by K^-1/2).
-    q_sq = k_sq = 0.0
-    for c0 in range(0, key_dim, bk):
-        q_sq += jnp.sum(jnp.square(f32(load(q_ref, key_head, c0, bk))), axis=1)
-        k_sq += jnp.sum(jnp.square(f32(load(k_ref, key_head, c0, bk))), axis=1)
-    q_scale = jax.lax.rsqrt(q_sq + 1e-6) * key_dim**-0.5
-    k_scale = jax.lax.rsqrt(k_sq + 1e-6)
-    beta = f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
+    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
 
     if kda:
-        if form == "factored":
-            # The largest decay any sub-block spans, over channels: beyond ``span_limit`` the exact kernel redoes
-            # the chunk (whatever this one wrote for it is overwritten).
-            span = 0.0
-            for c0 in range(0, key_dim, bk):
-                g = f32(load(g_ref, head, c0, bk))
-                for r in range(size // SUB):
-                    span = jnp.maximum(span, jnp.max(-jnp.sum(jnp.where((block == r)[:, None], g, 0.0), axis=0)))
-            flag_ref[head, chunk] = (span > span_limit).astype(jnp.int32)
-
-        def factored():
-            """One reference point per row sub-block r, the midpoint of its decay: for its rows and every column
-            up to its last row, exp(G_t - G_s) = exp(G_t - mid) exp(mid - G_s) with both factors within
-            exp(+-span / 2) (columns of earlier sub-blocks: exp(mid - G_s) <= 1)."""
-            kk = jnp.zeros((size, size), F32)
-            qk = jnp.zeros((size, size), F32)
-            bs = min(32, key_dim)  # eight [64, bs] fp32 temporaries per sub-block: 64-wide slices spilled
-            for c0 in range(0, key_dim, bs):
-                G = jnp.cumsum(f32(load(g_ref, head, c0, bs)), axis=0)
-                k = f32(load(k_ref, key_head, c0, bs)) * k_scale[:, None]
-                q = f32(load(q_ref, key_head, c0, bs)) * q_scale[:, None]
-                previous = jnp.zeros((bs,), F32)
-                for r in range(size // SUB):
-                    last = jnp.sum(jnp.where((t == r * SUB + SUB - 1)[:, None], G, 0.0), axis=0)
-                    mid = 0.5 * (previous + last)[None, :]
-                    previous = last
-                    row_decay = jnp.exp(jnp.where((block == r)[:, None], G - mid, -jnp.inf))
-                    col = k * jnp.exp(jnp.where((block <= r)[:, None], mid - G, -jnp.inf))
-                    kk += _dot(k * row_decay, col, precision, trans_b=True)
-                    qk += _dot(q * row_decay, col, precision, trans_b=True)
-            return kk, qk
-
-        def exact():
-            """Strong decay (no lower bound in Apriel2): every exponent <= 0. Off-diagonal sub-blocks use the
-            reference point at the row sub-block's first token; the diagonal ones go one offset at a time, with
-            the k row and cumulative decay of column s = SUB * (t // SUB) + o re-gathered from the flat buffer.
-            Whole tiles: slow (register spills), and only taken for decays beyond ``span_limit``."""
-            g = f32(load(g_ref, head, 0, key_dim))
-            k = f32(load(k_ref, key_head, 0, key_dim)) * k_scale[:, None]
-            q = f32(load(q_ref, key_head, 0, key_dim)) * q_scale[:, None]
-            # Cumulative decay from sub-block bases plus within-sub-block running sums, the same arithmetic the
-            # diagonal pass repeats on gathered rows, so G_t - G_s is exactly 0 at s = t.
-            base = jnp.zeros_like(g)
-            for r in range(SUB, size, SUB):
-                head_sum = jnp.sum(jnp.where((t < r)[:, None], g, 0.0), axis=0)
-                base = jnp.where((block == r // SUB)[:, None], head_sum[None, :], base)
-            running = base
-            G = base
-            for o in range(SUB):
-                running = running + f32(load(g_ref, head, 0, key_dim, block * SUB + o))
-                G = jnp.where((t % SUB == o)[:, None], running, G)
-            kk = jnp.zeros((size, size), F32)
-            qk = jnp.zeros((size, size), F32)
-            for r in range(SUB, size, SUB):
-                g_at_r = jnp.sum(jnp.where((t == r)[:, None], G, 0.0), axis=0)  # [K]
-                in_rows = ((t >= r) & (t < r + SUB))[:, None]
-                row_decay = jnp.exp(jnp.minimum(G - g_at_r[None, :], 0.0))
-                col_decay = jnp.where((t < r)[:, None], jnp.exp(jnp.minimum(g_at_r[None, :] - G, 0.0)), 0.0)
-                kb = k * col_decay
-                kk += _dot(jnp.where(in_rows, k * row_decay, 0.0), kb, precision, trans_b=True)
-                qk += _dot(jnp.where(in_rows, q * row_decay, 0.0), kb, precision, trans_b=True)
-            running = base
-            for o in range(SUB):
-                s = block * SUB + o
-                running = running + f32(load(g_ref, head, 0, key_dim, s))
-                k_s = f32(load(k_ref, key_head, 0, key_dim, s))
-                k_s = k_s * jax.lax.rsqrt(jnp.sum(k_s * k_s, axis=1, keepdims=True) + 1e-6)
-                kd_s = k_s * jnp.exp(jnp.minimum(G - running, 0.0))
-                at_s = cols == s[:, None]
-                kk += jnp.where(at_s & (t > s)[:, None], jnp.sum(k * kd_s, axis=1)[:, None], 0.0)
-                qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
-            return kk, qk
-
-        kk, qk = factored() if form == "factored" else exact()
-        kk = jnp.where(rows > cols, kk, 0.0)
-        qk = jnp.where(rows >= cols, qk, 0.0)
+        kk = kk_ref[head, chunk, :, :]
     else:
-        G = jnp.cumsum(f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
+        G = jnp.cumsum(_f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
         g_last = jnp.sum(jnp.where(t == size - 1, G, 0.0))
         kk = jnp.zeros((size, size), F32)
         qk = jnp.zeros((size, size), F32)
@@ -241,16 +264,15 @@ def _intra_body(
             qk += _dot(q, k, precision, trans_b=True)
         pair = jnp.exp(jnp.where(rows >= cols, G[:, None] - G[None, :], -jnp.inf)) * k_scale[None, :]
         kk = jnp.where(rows > cols, kk * pair * k_scale[:, None], 0.0)
-        qk = qk * pair * q_scale[:, None]
+        qk_ref[head, chunk, :, :] = (qk * pair * q_scale[:, None]).astype(out)
         glast_ref[head, chunk] = g_last
-    qk_ref[head, chunk, :, :] = qk.astype(out)
     x = _unit_lower_inverse(kk * beta[:, None], precision)
 
     for c0 in range(0, key_dim, bk):
-        k = f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
-        q = f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
+        k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
+        q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
         if kda:
-            G = jnp.cumsum(f32(load(g_ref, head, c0, bk)), axis=0)
+            G = jnp.cumsum(_f32(load(g_ref, head, c0, bk)), axis=0)
             g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
             glast_ref[head, chunk, pl.ds(c0, bk)] = g_last
             decay, to_end = jnp.exp(G), jnp.exp(g_last[None, :] - G)
@@ -261,7 +283,7 @@ def _intra_body(
         qg_ref[head, chunk, :, cs] = (q * decay).astype(out)
         kd_ref[head, chunk, :, cs] = (k * to_end).astype(out)
     for c0 in range(0, value_dim, bv):
-        v = f32(load(v_ref, head, c0, bv))
+        v = _f32(load(v_ref, head, c0, bv))
         u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v * beta[:, None], precision).astype(out)
 
 
@@ -382,37 +404,47 @@ def _params(dtype, num_warps, num_stages):
 
 
 def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
-          interpret=False):
+          products_warps=4, interpret=False):
     """Kernel 1 over (chunk, head), reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk
-    layout [H, num_chunks, C, .], and the chunk's total log decay."""
+    layout [H, num_chunks, C, .], and the chunk's total log decay. For KDA, the decayed products kk and qk come
+    first from ``_kda_products_kernel`` (over sub-blocks) and, for chunks it flags, ``_kda_exact_kernel``."""
     heads, value_dim = v.shape[1:]
     key_heads, key_dim = q.shape[1:]
+    rep = heads // key_heads
     kda = g.ndim == 3
     mm = F32 if v.dtype == F32 else jnp.bfloat16
     precision, params = _params(v.dtype, num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
+    qk_shape = sds((heads, num_chunks, CHUNK, CHUNK), mm)
     outs = (
         sds((heads, num_chunks, CHUNK, key_dim), mm),
         sds((heads, num_chunks, CHUNK, value_dim), mm),
-        sds((heads, num_chunks, CHUNK, CHUNK), mm),
         sds((heads, num_chunks, CHUNK, key_dim), mm),
         sds((heads, num_chunks, CHUNK, key_dim), mm),
         sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
     )
-    inputs = (*table[:3], q, k, v, g.astype(F32), beta)
-
-    def call(form, out_shape, *extra, aliases=None):
-        kernel = functools.partial(_intra_kernel, rep=heads // key_heads, form=form, precision=precision,
-                                   span_limit=span_limit)
-        return pl.pallas_call(kernel, grid=(num_chunks, heads), out_shape=out_shape, compiler_params=params,
-                              input_output_aliases=aliases or {}, interpret=interpret,
-                              name=f"delta_rule_intra_{form}")(*inputs, *extra)
-
+    g = g.astype(F32)
+    kernel = functools.partial(_intra_kernel, rep=rep, kda=kda, precision=precision)
     if not kda:
-        return call("gdn", outs)
-    *results, flag = call("factored", (*outs, sds((heads, num_chunks), jnp.int32)))
-    first = len(inputs) + 1
-    return call("exact", outs, flag, *results, aliases={first + i: i for i in range(len(outs))})
+        w, u, qk, qg, kd, glast = pl.pallas_call(
+            kernel, grid=(num_chunks, heads), out_shape=(*outs[:2], qk_shape, *outs[2:]), compiler_params=params,
+            interpret=interpret, name="delta_rule_intra_gdn")(*table[:3], q, k, v, g, beta)
+        return w, u, qk, qg, kd, glast
+    kk_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
+    kk, qk, flag = pl.pallas_call(
+        functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit),
+        grid=(num_chunks, heads, CHUNK // SUB),
+        out_shape=(kk_shape, qk_shape, sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
+        compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1), interpret=interpret,
+        name="delta_rule_kda_products")(*table[:3], q, k, g)
+    kk, qk = pl.pallas_call(
+        functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
+        grid=(num_chunks, heads), out_shape=(kk_shape, qk_shape), input_output_aliases={7: 0, 8: 1},
+        compiler_params=params, interpret=interpret, name="delta_rule_kda_exact")(*table[:3], q, k, g, flag, kk, qk)
+    w, u, qg, kd, glast = pl.pallas_call(
+        kernel, grid=(num_chunks, heads), out_shape=outs, compiler_params=params, interpret=interpret,
+        name="delta_rule_intra_kda")(*table[:3], q, k, v, g, beta, kk)
+    return w, u, qk, qg, kd, glast
 
 
 def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=32, num_warps=4, num_stages=2,
@@ -472,7 +504,8 @@ def output(table, qg, h, qk, v_new, o_flat, *, block_v=64, num_warps=4, num_stag
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit", "interpret"),
+    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
+                     "products_warps", "interpret"),
     donate_argnames=("state_pool",),
 )
 def delta_rule_prefill(
@@ -493,12 +526,14 @@ def delta_rule_prefill(
     num_stages: tuple[int, int, int] = (1, 2, 2),
     fuse_output: bool = False,
     diag_span_limit: float = DIAG_SPAN_LIMIT,
+    products_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
     ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA chunks whose
-    sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form)."""
+    sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form);
+    ``products_warps`` is the warp count of KDA's products kernel."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
@@ -509,12 +544,13 @@ def delta_rule_prefill(
         o, state_pool = delta_rule_prefill(
             pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
             block_v=block_v, num_warps=num_warps, num_stages=num_stages, fuse_output=fuse_output,
-            diag_span_limit=diag_span_limit, interpret=interpret)
+            diag_span_limit=diag_span_limit, products_warps=products_warps, interpret=interpret)
         return o[:num_tokens], state_pool
     num_chunks = num_tokens // CHUNK + starts.shape[0]
     table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
     w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
-                                    num_warps=num_warps[0], num_stages=num_stages[0], interpret=interpret)
+                                    num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
+                                    interpret=interpret)
     if fuse_output:
         return state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, jnp.zeros(v.shape, v.dtype),
                             block_v=block_v[0], num_warps=num_warps[1], num_stages=num_stages[1],

@@ -7,8 +7,8 @@
 Unfused = what the engine runs without the fused kernel: the conv decode kernel over the slot pool, the gates in
 XLA, then ``delta_rule_decode`` (``decode_slots``, the dispatch entry). Fused = ``delta_rule_decode_fused``. Both
 read the same conv and state pools by slot. Parity of both against the composed jnp oracle first; then median
-step times after warm-up over rotating inputs (``--iters`` steps in one jitted loop: device time, no per-call
-dispatch), and % of HBM bandwidth on the bytes of the state (read + write), which dominate. The fused kernel runs
+step times after warm-up over rotating inputs (``--iters`` steps issued back to back and waited for once: host
+dispatch overlapped), and % of HBM bandwidth on the bytes of the state (read + write), which dominate. The fused kernel runs
 each ``--config`` (block_v,num_warps,slab_fastest); the table shows the best.
 """
 

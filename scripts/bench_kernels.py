@@ -5,8 +5,8 @@
 
 Decode update (GDN and KDA): state pool [B+1, H, K, V] fp32 read and written in place by slot; bf16 q/k/v.
 fla (``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda``, T = 1, initial and final state) moves the
-same bytes. Times are medians after warm-up (fla: CUDA events per call; ours: calls in a jitted loop, device
-time without per-call dispatch); bytes per call = 2 * B * H * K * V * 4 (the state, read + write;
+same bytes. Times are medians after warm-up (fla: CUDA events per call; ours: calls issued back to back and waited
+for once, host dispatch overlapped); bytes per call = 2 * B * H * K * V * 4 (the state, read + write;
 q/k/v/gates are < 1% and not counted). Prints one table; ``--json`` writes the rows.
 """
 
@@ -44,7 +44,7 @@ def inputs(seed: int, kda: bool, batch: int, heads: int, key_heads: int, dim: in
 
 
 def time_ours(x_sets, pool, iters, **kw):
-    """Device time per call: ``iters`` calls in one jitted loop (no per-call dispatch), like fla's CUDA events."""
+    """Device time per call: ``iters`` calls issued back to back, waited for once (like fla's CUDA events)."""
     return time_looped(lambda x, p: delta_rule_decode(**x, state_pool=p, **kw)[1], x_sets, pool, iters)
 
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         o_fla = np.asarray(o_fla[:, 0].float().cpu())
         err_fla = float(np.abs(np.asarray(o, np.float32) - o_fla).max() / np.abs(o_fla).max())
         err_fla_state = float(np.abs(np.asarray(new_pool)[order] - ht.cpu().numpy()).max() / np.abs(ht.cpu().numpy()).max())
-        # Timings: fla with CUDA events; ours (the dispatch configuration) in a jitted loop. The configuration
+        # Timings: fla with CUDA events; ours (the dispatch configuration) issued back to back. The configuration
         # sweep is scripts/sweep_decode.py.
         fla_s = time_torch_cuda(run_fla, args.iters, warmup=5)
         cfg = DISPATCH_CONFIG

@@ -8,13 +8,15 @@
 Shapes (issue 4): GDN (B=1, T=8192, H=16) and (B=8, T=2048, H=32); KDA (B=1, T=8192, H=16); K = V = 128, bf16
 q/k/v, fp32 gates, initial state from the slot pool and final state written back (fla: initial_state +
 output_final_state). Ours packs the B sequences into one token buffer. Times are medians over rotating input
-sets after warm-up. TFLOP/s counts the useful work of the chunked form, 6KV + 2C(3K + 2V) per token and head
+sets after warm-up: fla's from CUDA events per call, ours from ``--iters`` calls issued back to back and waited for
+once (host dispatch overlapped). TFLOP/s counts the useful work of the chunked form, 6KV + 2C(3K + 2V) per token and head
 (pallas_landscape.md §4b, no inverse), against a measured bf16 matmul peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -26,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import print_rows, time_carried, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import print_rows, time_looped, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
@@ -66,36 +68,36 @@ def matmul_peak() -> float:
 
 
 def time_ours(x_sets, pool, iters, **kw):
-    return time_carried(lambda x, p: delta_rule_prefill(**x, state_pool=p, **kw)[1], x_sets, pool, iters)
+    """Device time per call: ``iters`` calls issued back to back, waited for once (as fla's CUDA events).
+    The output is carried with the pool: a result the loop dropped would let XLA remove the kernel making it."""
+    out = jnp.zeros(x_sets[0]["v"].shape, x_sets[0]["v"].dtype)
+    seconds, (_, pool) = time_looped(lambda x, c: delta_rule_prefill(**x, state_pool=c[1], **kw), x_sets,
+                                     (out, pool), iters, repeats=3)
+    return seconds, pool
 
 
 def breakdown(x, pool, dry):
-    """Median ms of each kernel on its own, default configuration."""
+    """Device ms of each kernel on its own (default configuration), 10 calls issued back to back."""
     interp = dict(interpret=True) if dry else {}
     num_tokens = x["q"].shape[0]
     num_chunks = num_tokens // CHUNK + x["starts"].shape[0]
     table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
-    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, **interp))
+    intra = functools.partial(kernels.intra, table, num_chunks=num_chunks, **interp)
     w, u, qk, qg, kd, glast = intra(x["q"], x["k"], x["v"], x["g"], x["beta"])
-    state = jax.jit(lambda *a: kernels.state(*a, **interp))
+    state = functools.partial(kernels.state, **interp)
     h, v_new, _ = state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, jnp.array(pool, copy=True))
-    output = jax.jit(lambda *a: kernels.output(table, *a, **interp))
+    output = functools.partial(kernels.output, table, **interp)
     zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
     stages = dict(
-        intra=lambda: intra(x["q"], x["k"], x["v"], x["g"], x["beta"]),
-        state=lambda: state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, pool),
-        output=lambda: output(qg, h, qk, v_new, zeros),
+        intra=(lambda _, c: intra(x["q"], x["k"], x["v"], x["g"], x["beta"]), (w, u, qk, qg, kd, glast)),
+        state=(lambda _, c: state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, c[2]),
+               (h, v_new, jnp.array(pool, copy=True))),
+        output=(lambda _, c: output(qg, h, qk, v_new, c), zeros),
     )
-    result = {}
-    for name, fn in stages.items():
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t)
-        result[name] = round(statistics.median(times) * 1e3, 3)
-    return result
+    steps = 2 if dry else 10
+    copy = functools.partial(jax.tree.map, lambda a: jnp.array(a, copy=True))  # the loop donates its carry
+    return {name: round(time_looped(fn, [None], copy(carry), steps, repeats=3)[0] * 1e3, 3)
+            for name, (fn, carry) in stages.items()}
 
 
 def main(argv=None) -> int:
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=("gdn1", "gdn8", "kda1"),
                     help="run only these cases (default: all)")
     ap.add_argument("--config", action="append", default=None,
-                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1]' "
+                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1"
+                         "[,products_warps]]' "
                          "(repeatable; replaces the default list)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
@@ -127,9 +130,9 @@ def main(argv=None) -> int:
     if args.config:
         configs = []
         for text in args.config:
-            bv, bo, w1, w2, w3, *fuse = (int(x) for x in text.split(","))
+            bv, bo, w1, w2, w3, *rest = (int(x) for x in text.split(","))
             configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2),
-                                fuse_output=bool(fuse and fuse[0])))
+                                fuse_output=bool(rest and rest[0]), products_warps=rest[1] if len(rest) > 1 else 4))
     if dry:
         configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind

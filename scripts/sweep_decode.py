@@ -5,8 +5,8 @@
     python scripts/sweep_decode.py --dry-run      # tiny shapes, interpret mode, CPU
     python scripts/sweep_decode.py --profile kda  # a few calls of the dispatch default, for Nsight Compute
 
-Each configuration runs ``--steps`` decode steps inside one jitted loop that carries the state pool, so the time
-per step is device time without the per-call dispatch that ``bench_kernels.py`` includes. Inputs rotate over three
+Each configuration runs ``--steps`` decode steps issued back to back with the state pool donated from step to step
+and waited for once (``benchmarking.time_looped``): device time, host dispatch overlapped. Inputs rotate over three
 sets. % HBM counts the fp32 state read + write per step. Parity of every configuration against the jnp op first.
 """
 
@@ -57,10 +57,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--profile", choices=("gdn", "kda"), default=None)
+    ap.add_argument("--config", action="append", default=None,
+                    help="block_v,num_warps,heads_per_program,num_stages,slab_fastest(0/1); repeatable, replaces the sweep")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     B, H, Hk, D = args.batch, args.heads, args.gdn_key_heads, args.dim
     configs, interp = CONFIGS, {}
+    if args.config:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.config]
+        configs = [(bv, w, hp, st, bool(sf)) for bv, w, hp, st, sf in configs]
     if args.dry_run:
         B, H, Hk, D, args.steps, args.repeats = 3, 4, 2, 16, 2, 1
         configs, interp = [(8, 1, 1, 1, True), (8, 2, 2, 2, False)], dict(interpret=True)
