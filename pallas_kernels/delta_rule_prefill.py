@@ -457,6 +457,7 @@ def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=32
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_state_kernel, bv=block_v, kda=glast.ndim == 3, precision=precision),
+        name="delta_rule_state",
         grid=(first.shape[0], heads, value_dim // block_v),
         out_shape=(
             sds((heads, num_chunks, key_dim, value_dim), u.dtype),
@@ -478,6 +479,7 @@ def state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, o_fla
     first, count = table[3], table[4]
     return pl.pallas_call(
         functools.partial(_state_output_kernel, bv=block_v, kda=glast.ndim == 3, precision=precision),
+        name="delta_rule_state_output",
         grid=(first.shape[0], heads, value_dim // block_v),
         out_shape=(jax.ShapeDtypeStruct(state_pool.shape, F32), jax.ShapeDtypeStruct(o_flat.shape, o_flat.dtype)),
         input_output_aliases={13: 0, 14: 1},
@@ -494,6 +496,7 @@ def output(table, qg, h, qk, v_new, o_flat, *, block_v=64, num_warps=4, num_stag
     precision, params = _params(v_new.dtype, num_warps, num_stages)
     return pl.pallas_call(
         functools.partial(_output_kernel, bv=block_v, precision=precision),
+        name="delta_rule_output",
         grid=(num_chunks, heads, value_dim // block_v),
         out_shape=jax.ShapeDtypeStruct(o_flat.shape, o_flat.dtype),
         input_output_aliases={7: 0},

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import print_rows, time_looped, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import after, print_rows, time_looped, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
@@ -71,8 +71,10 @@ def time_ours(x_sets, pool, iters, **kw):
     """Device time per call: ``iters`` calls issued back to back, waited for once (as fla's CUDA events).
     The output is carried with the pool: a result the loop dropped would let XLA remove the kernel making it."""
     out = jnp.zeros(x_sets[0]["v"].shape, x_sets[0]["v"].dtype)
-    seconds, (_, pool) = time_looped(lambda x, c: delta_rule_prefill(**x, state_pool=c[1], **kw), x_sets,
-                                     (out, pool), iters, repeats=3)
+    def step(x, c):  # ``after``: each call starts once the previous one has finished, as in fla's timing
+        return delta_rule_prefill(**dict(x, starts=after(x["starts"], c)), state_pool=c[1], **kw)
+
+    seconds, (_, pool) = time_looped(step, x_sets, (out, pool), iters, repeats=3)
     return seconds, pool
 
 
@@ -89,7 +91,8 @@ def breakdown(x, pool, dry):
     output = functools.partial(kernels.output, table, **interp)
     zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
     stages = dict(
-        intra=(lambda _, c: intra(x["q"], x["k"], x["v"], x["g"], x["beta"]), (w, u, qk, qg, kd, glast)),
+        intra=(lambda _, c: kernels.intra((after(table[0], c), *table[1:]), x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                          num_chunks=num_chunks, **interp), (w, u, qk, qg, kd, glast)),
         state=(lambda _, c: state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, c[2]),
                (h, v_new, jnp.array(pool, copy=True))),
         output=(lambda _, c: output(qg, h, qk, v_new, c), zeros),

@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=sorted(CASES), default="kda1")
     ap.add_argument("--runs", type=int, default=2, help="calls of each kernel (the first compiles)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="record the calls after the first with jax.profiler into DIR and print each kernel's median "
+                         "GPU time from the trace (a check of the benchmarks' timing, no Nsight needed)")
     args = ap.parse_args(argv)
     kda, batch, length, heads = CASES[args.case]
     x = make_inputs(0, kda, batch, length, heads, 128)
@@ -37,13 +40,43 @@ def main(argv=None) -> int:
     intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks))
     state = jax.jit(lambda *a: kernels.state(*a))
     output = jax.jit(lambda *a: kernels.output(table, *a))
-    for _ in range(args.runs):
+    def run():
         w, u, qk, qg, kd, glast = jax.block_until_ready(intra(x["q"], x["k"], x["v"], x["g"], x["beta"]))
         h, v_new, _ = jax.block_until_ready(state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast,
                                                   jnp.array(pool, copy=True)))
         jax.block_until_ready(output(qg, h, qk, v_new, jnp.zeros(x["v"].shape, x["v"].dtype)))
+
+    run()
+    if args.trace:
+        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+            for _ in range(args.runs - 1):
+                run()
+        for name, (count, median_us) in kernel_times(args.trace).items():
+            print(f"{name}: {count} calls, median {median_us:.1f} us")
+    else:
+        for _ in range(args.runs - 1):
+            run()
     print("done", args.case)
     return 0
+
+
+def kernel_times(trace_dir: str, match: str = "delta_rule") -> dict:
+    """{kernel name: (calls, median µs)} of the GPU events named ``*match*`` in the perfetto trace under
+    ``trace_dir``."""
+    import glob
+    import gzip
+    import json
+    import statistics
+
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and match in e.get("name", "") and "dur" in e:
+            durations.setdefault(e["name"], []).append(float(e["dur"]))
+    return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}
 
 
 if __name__ == "__main__":
