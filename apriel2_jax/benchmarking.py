@@ -53,6 +53,23 @@ def time_torch_cuda(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def time_torch_back_to_back(fn, iters: int, repeats: int = 3) -> float:
+    """Seconds per call of ``fn()`` (a torch GPU call) issued ``iters`` times back to back and synchronized once:
+    the same method as ``time_looped`` for our side (one stream orders the calls)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / iters
+
+
 def print_rows(rows: list[dict], json_path: str | None = None) -> None:
     """The benchmark table, one ``|``-separated line per row (union of the rows' keys), and the rows as JSON."""
     import json

@@ -8,8 +8,8 @@
 Shapes (issue 4): GDN (B=1, T=8192, H=16) and (B=8, T=2048, H=32); KDA (B=1, T=8192, H=16); K = V = 128, bf16
 q/k/v, fp32 gates, initial state from the slot pool and final state written back (fla: initial_state +
 output_final_state). Ours packs the B sequences into one token buffer. Times are medians over rotating input
-sets after warm-up: fla's from CUDA events per call, ours from ``--iters`` calls issued back to back and waited for
-once (host dispatch overlapped). TFLOP/s counts the useful work of the chunked form, 6KV + 2C(3K + 2V) per token and head
+sets after warm-up, both from ``--iters`` calls issued back to back and waited for once, each call ordered behind
+the previous one (ratios use these); fla's CUDA-event time per call is printed too. TFLOP/s counts the useful work of the chunked form, 6KV + 2C(3K + 2V) per token and head
 (pallas_landscape.md §4b, no inverse), against a measured bf16 matmul peak.
 """
 
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import after, print_rows, time_looped, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import after, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
@@ -115,6 +115,8 @@ def main(argv=None) -> int:
                          "(repeatable; replaces the default list)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="also record 3 fla calls with jax.profiler (CUPTI sees torch's kernels) and print the events")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dry = args.dry_run
@@ -174,8 +176,21 @@ def main(argv=None) -> int:
             err_fla = (rel(o, o_fla.float().reshape(batch * length, heads, dim).cpu().numpy()),
                        rel(np.asarray(new_pool)[np.asarray(x["slots"])], ht.float().cpu().numpy()))
             print(f"  parity vs fla: out {err_fla[0]:.1e} state {err_fla[1]:.1e}", flush=True)
-            fla_s = time_torch_cuda(run_fla, args.iters)
-            print(f"  fla: {fla_s * 1e3:.3f} ms", flush=True)
+            fla_events_s = time_torch_cuda(run_fla, args.iters)
+            fla_s = time_torch_back_to_back(run_fla, args.iters)
+            print(f"  fla: {fla_s * 1e3:.3f} ms back to back, {fla_events_s * 1e3:.3f} ms by CUDA events per call",
+                  flush=True)
+            if args.trace:
+                from scripts.profile_prefill import kernel_times
+
+                where = os.path.join(args.trace, f"fla_{kind}_{batch}")
+                with jax.profiler.trace(where, create_perfetto_trace=True):
+                    for _ in range(3):
+                        run_fla()
+                        torch.cuda.synchronize()
+                for name, (count, median_us) in kernel_times(where, match="").items():
+                    if count >= 3 and not name.startswith("$"):
+                        print(f"  trace {name[:90]}: {count} events, median {median_us:.1f} us", flush=True)
         best = None
         for cfg in configs:
             seconds, pool = time_ours(x_sets, pool, args.iters, **cfg)
@@ -192,7 +207,8 @@ def main(argv=None) -> int:
                    config=str({k: v for k, v in cfg.items() if k != "interpret"}),
                    err_vs_jnp=f"{err[0]:.1e}/{err[1]:.1e}")
         if fla_s is not None:
-            row.update(fla_ms=round(fla_s * 1e3, 3), speedup_vs_fla=round(fla_s / seconds, 3),
+            row.update(fla_ms=round(fla_s * 1e3, 3), fla_events_ms=round(fla_events_s * 1e3, 3),
+                       speedup_vs_fla=round(fla_s / seconds, 3),
                        ours_TFLOPs=round(flops / seconds / 1e12, 1), pct_peak=round(100 * flops / seconds / peak, 1),
                        peak_TFLOPs=round(peak / 1e12, 1), err_vs_fla=f"{err_fla[0]:.1e}/{err_fla[1]:.1e}")
         rows.append(row)
