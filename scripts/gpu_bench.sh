@@ -16,5 +16,5 @@ step prefill 130 python3 scripts/bench_prefill.py --breakdown --iters 10 --json 
 step prefill_configs 110 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 32,64,4,4,4 --config 64,64,4,4,4 --config 64,64,8,4,4 --config 64,64,4,4,4,1
 step mamba_conv 80 python3 scripts/bench_mamba_conv.py --no-sweep --json "$out/mamba_conv.json"
 step attention_decode 90 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
-step decode_fused 80 python3 scripts/bench_decode_fused.py --json "$out/decode_fused.json"
+step decode_fused 80 python3 scripts/bench_decode_fused.py --config 64,2,1 --config 64,4,1 --json "$out/decode_fused.json"
 step attention_prefill 100 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
