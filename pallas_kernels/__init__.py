@@ -6,7 +6,6 @@ from apriel2_jax import dispatch
 from . import (
     causal_conv1d,
     delta_rule_decode,
-    delta_rule_decode_fused,
     delta_rule_prefill,
     paged_attention_decode,
     paged_attention_prefill,

@@ -20,12 +20,13 @@ Three kernels, following the split that fla and FlashQLA found faster than one f
 3. ``_output_kernel``, parallel over (chunk, head, V-slab): o from the stored chunk-start states.
 
 KDA's per-channel decay cannot be factored as (k e^G)(k e^-G)^T over a whole chunk: e^-G overflows once the decay
-is strong (Apriel2's KDA gate has no lower bound). Each 16-token row sub-block r takes its own reference point,
-the midpoint of its decay: columns of earlier sub-blocks get factors <= 1, its own columns factors within
-exp(+-span / 2), where span is the largest decay one sub-block covers in any channel. A chunk with span above
-``DIAG_SPAN_LIMIT`` is flagged and recomputed by a second kernel in the exact form (off-diagonal reference at the
-sub-block's first token, diagonal one offset at a time, every exponent <= 0); keeping it out of the first kernel
-keeps its registers out of the common case.
+is strong (Apriel2's KDA gate has no lower bound). Its decayed products kk and qk come from
+``_kda_products_kernel``, one program per 16-token row sub-block, which takes the midpoint of the sub-block's decay
+as reference point: columns of earlier sub-blocks get factors <= 1, its own columns factors within
+exp(+-span / 2), where span is the largest decay the sub-block covers in any channel. A chunk with span above
+``DIAG_SPAN_LIMIT`` is flagged, and ``_kda_exact_kernel`` recomputes its kk and qk with every exponent <= 0. The
+intra kernel then reads kk. Keeping the products in their own kernels keeps their registers and code out of the
+intra kernel (Nsight Compute showed the single kernel at 255 registers and stalled on instruction fetch).
 
 Packing: sequences are cut into chunks that start at the sequence start; the intra kernel reads each chunk's
 C-token window of the flat buffer through the chunk table (rows outside the sequence load as zeros: zero k, beta
