@@ -193,12 +193,15 @@ def mamba_prefill(args, rows, per_row, d_in, d_xb, n):
         return selective_scan_varlen_slots(**x, **params, state_pool=p, **meta, max_len=per_row)
 
     def make_kernel(cfg, meta):
-        hp, warps, stages = cfg
+        hp, warps, stages, segments = cfg
         return lambda x, p: selective_scan_varlen(**x, **params, state_pool=p, **meta, max_len=per_row,
                                                   heads_per_program=hp, num_warps=warps, num_stages=stages,
-                                                  interpret=args.dry_run)
+                                                  segments=segments, interpret=args.dry_run)
 
-    configs = [(1, 1, 2)] + ([] if args.no_sweep else [(1, 1, 3), (1, 2, 2), (2, 2, 2), (4, 4, 2), (4, 2, 3)])
+    configs = [(1, 1, 2, 1)] + ([] if args.no_sweep else [(1, 1, 3, 1), (1, 2, 2, 1), (2, 2, 2, 1), (4, 4, 2, 1),
+                                                          (4, 2, 3, 1)])
+    # Time-segmented variants (config: heads/program, warps, stages, segments), timed even with --no-sweep.
+    configs += [(1, 1, 2, s) for s in args.segments if s > 1]
     nbytes = tokens * (5 * d_in + d_xb) * 2 + 2 * rows * d_in * n * 4  # u, dt, z, C, y + B; state r+w
     return bench_case("mamba_prefill", f"B={rows} T={per_row} Din={d_in} N={n}", configs, make_kernel, oracle_fn,
                       sets, pool, meta, ragged, nbytes, args, 2e-2, 1e-3, True)
@@ -283,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", type=int, default=3, help="rotating input sets")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default config of each kernel")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU): checks the script")
+    ap.add_argument("--segments", type=int, nargs="*", default=[8, 32],
+                    help="also time the Mamba prefill cut into this many parts per sequence (time-segmented scan)")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.repeats < 1 or args.sets < 1:
         ap.error("--iters, --repeats and --sets must be >= 1")

@@ -48,12 +48,16 @@ def _copy(x):
     return dict(x, state_pool=jnp.array(x["state_pool"], copy=True))  # the kernel donates the pool
 
 
-@pytest.mark.parametrize("dtype, tol, hp, dt_bias", [(jnp.float32, 1e-5, 1, True), (jnp.float32, 1e-5, 4, False),
-                                                      (jnp.bfloat16, 1e-2, 2, True)])
-def test_varlen_kernel_matches_oracle(dtype, tol, hp, dt_bias):
+@pytest.mark.parametrize("dtype, tol, hp, dt_bias, segments", [
+    (jnp.float32, 1e-5, 1, True, 1), (jnp.float32, 1e-5, 4, False, 1), (jnp.bfloat16, 1e-2, 2, True, 1),
+    # time-segmented: more parts than some sequences have tokens (empty parts), and parts of uneven length
+    (jnp.float32, 1e-5, 2, True, 4), (jnp.bfloat16, 1e-2, 1, False, 3),
+])
+def test_varlen_kernel_matches_oracle(dtype, tol, hp, dt_bias, segments):
     x, meta = _inputs(0, dtype=dtype, dt_bias=dt_bias), _meta()
     y_ref, pool_ref = selective_scan_varlen_slots(**x, **meta, max_len=MAX_LEN)
-    y, pool = selective_scan_varlen(**_copy(x), **meta, max_len=MAX_LEN, heads_per_program=hp, interpret=True)
+    y, pool = selective_scan_varlen(**_copy(x), **meta, max_len=MAX_LEN, heads_per_program=hp, segments=segments,
+                                    interpret=True)
     assert y.dtype == dtype and pool.dtype == jnp.float32
     covered = np.zeros(N_TOKENS, bool)
     for start, length, *_ in SEQS:
@@ -121,6 +125,6 @@ def test_cross_lowers_for_cuda_at_production_shapes(decode):
     if decode:
         _lower(selective_scan_decode, *args, S((seqs,), i32), S((seqs,), jnp.bool_))
     else:
-        for hp in (1, 4):
+        for hp, segments in ((1, 1), (4, 1), (1, 32)):
             _lower(selective_scan_varlen, *args, S((seqs,), i32), S((seqs,), i32), S((seqs,), i32),
-                   S((seqs,), jnp.bool_), max_len=2048, heads_per_program=hp)
+                   S((seqs,), jnp.bool_), max_len=2048, heads_per_program=hp, segments=segments)
