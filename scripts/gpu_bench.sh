@@ -12,9 +12,14 @@ step() {  # name seconds command...
   timeout "$limit" env PYTHONUNBUFFERED=1 "$@" > "$out/$name.log" 2>&1
   echo "rc=$?"; grep -v -i "warn" "$out/$name.log" | tail -8
 }
-step prefill 130 python3 scripts/bench_prefill.py --breakdown --iters 10 --json "$out/prefill.json"
-step prefill_configs 110 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 32,64,4,4,4 --config 64,64,4,4,4 --config 64,64,8,4,4 --config 64,64,4,4,4,1
-step mamba_conv 80 python3 scripts/bench_mamba_conv.py --no-sweep --json "$out/mamba_conv.json"
-step attention_decode 90 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
-step decode_fused 80 python3 scripts/bench_decode_fused.py --config 64,2,1 --config 64,4,1 --json "$out/decode_fused.json"
-step attention_prefill 100 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
+# One process per prefill case: compiling ours and fla's for several cases in one process ran past 170 s on a
+# fresh machine. --trace records fla's kernels; our kernel times: profile_prefill.py --trace (prefill_kernels).
+step prefill_kda1 100 python3 scripts/bench_prefill.py --case kda1 --iters 10 --trace "$out/trace" --json "$out/prefill_kda1.json"
+step prefill_gdn1 80 python3 scripts/bench_prefill.py --case gdn1 --iters 10 --trace "$out/trace" --json "$out/prefill_gdn1.json"
+step prefill_gdn8 80 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 64,64,4,4,4,1 --trace "$out/trace" --json "$out/prefill_gdn8.json"
+step prefill_kernels 60 bash -c 'for c in kda1 gdn1 gdn8; do python3 scripts/profile_prefill.py --case $c --runs 4 --trace "$0/trace_$c"; done' "$out"
+step mamba_conv 90 python3 scripts/bench_mamba_conv.py --no-sweep --segments 8 32 --json "$out/mamba_conv.json"
+step decode 40 python3 scripts/sweep_decode.py --config 64,4,1,1,1 --json "$out/decode.json"
+step attention_decode 70 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
+step attention_prefill 70 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
+rm -rf "$out"/trace*
