@@ -226,36 +226,77 @@ def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, 
         qk_ref[head, chunk, :, :] = jnp.where(rows >= cols, qk, 0.0).astype(qk_ref.dtype)
 
 
-def _intra_kernel(*refs, rep, kda, precision):
+def _slice_writers(load, ids, t, x, beta, q_scale, k_scale, gdn_decay, inputs, outputs, precision):
+    """Writers of one column slice of w, q*e^G, k*e^(G_last - G) (and KDA's G_last), and of one slice of u, given
+    the inverse ``x`` and the row scales. ``gdn_decay`` is GDN's (G, G_last) per token, None for KDA (whose decay
+    is per channel, taken per slice)."""
+    q_ref, k_ref, v_ref, g_ref = inputs
+    w_ref, u_ref, qg_ref, kd_ref, glast_ref = outputs
+    chunk, head, key_head = ids
+    size, out = t.shape[0], w_ref.dtype
+
+    def key_slice(c0, bk):
+        k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
+        q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
+        cs = pl.ds(c0, bk)
+        if gdn_decay is None:
+            G = jnp.cumsum(_f32(load(g_ref, head, c0, bk)), axis=0)
+            g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
+            glast_ref[head, chunk, cs] = g_last
+            decay, to_end = jnp.exp(G), jnp.exp(g_last[None, :] - G)
+        else:
+            G, g_last = gdn_decay
+            decay, to_end = jnp.exp(G)[:, None], jnp.exp(g_last - G)[:, None]
+        w_ref[head, chunk, :, cs] = _dot(x, k * decay * beta[:, None], precision).astype(out)
+        qg_ref[head, chunk, :, cs] = (q * decay).astype(out)
+        kd_ref[head, chunk, :, cs] = (k * to_end).astype(out)
+
+    def value_slice(c0, bv):
+        v = _f32(load(v_ref, head, c0, bv))
+        u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v * beta[:, None], precision).astype(out)
+
+    return key_slice, value_slice
+
+
+def _gdn_decay(g_ref, start, t, ok, head):
+    G = jnp.cumsum(_f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
+    return G, jnp.sum(jnp.where(t == t.shape[0] - 1, G, 0.0))
+
+
+def _intra_kernel(*refs, rep, kda, precision, split):
     """Over (chunk, head): (I + beta A)^-1 and what the other kernels need, w, u, the decayed q and k, the
     chunk's total decay, and for GDN the masked q-k matrix (KDA's kk and qk come from ``_kda_products_kernel``).
+    With ``split`` it stops at the inverse, written out for ``_apply_kernel``.
 
     Register budget drives the layout: q, k, g and v are read in column slices of at most 64 (each slice
     several times, from cache) rather than held whole, and q/k are normalized by row scales applied to the
     products; whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
     start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
-    if kda:  # refs: inputs, kk, outputs
-        kk_ref, (w_ref, u_ref, qg_ref, kd_ref, glast_ref), qk_ref = refs[8], refs[9:], None
+    kk_ref = refs[8] if kda else None
+    outs = refs[9:] if kda else refs[8:]
+    if split:  # outputs: x (GDN: also qk, G_last)
+        x_ref, qk_ref, glast_ref = outs if not kda else (outs[0], None, None)
+    elif kda:
+        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), qk_ref = outs, None
     else:
-        kk_ref, (w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref) = None, refs[8:]
+        w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref = outs
     chunk, head = pl.program_id(0), pl.program_id(1)
     key_head = head // rep
-    size = w_ref.shape[2]
+    size = CHUNK
     key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
     bk, bv = min(64, key_dim), min(64, value_dim)
     t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-    out = w_ref.dtype
     q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
     k_scale = _norm_scale(load, k_ref, key_head, key_dim)
     beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
 
+    gdn_decay = None
     if kda:
         kk = kk_ref[head, chunk, :, :]
     else:
-        G = jnp.cumsum(_f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
-        g_last = jnp.sum(jnp.where(t == size - 1, G, 0.0))
+        gdn_decay = G, g_last = _gdn_decay(g_ref, start, t, ok, head)
         kk = jnp.zeros((size, size), F32)
         qk = jnp.zeros((size, size), F32)
         for c0 in range(0, key_dim, bk):  # raw operands (bf16 products exact), normalized by the row scales
@@ -265,27 +306,46 @@ def _intra_kernel(*refs, rep, kda, precision):
             qk += _dot(q, k, precision, trans_b=True)
         pair = jnp.exp(jnp.where(rows >= cols, G[:, None] - G[None, :], -jnp.inf)) * k_scale[None, :]
         kk = jnp.where(rows > cols, kk * pair * k_scale[:, None], 0.0)
-        qk_ref[head, chunk, :, :] = (qk * pair * q_scale[:, None]).astype(out)
+        qk_ref[head, chunk, :, :] = (qk * pair * q_scale[:, None]).astype(qk_ref.dtype)
         glast_ref[head, chunk] = g_last
     x = _unit_lower_inverse(kk * beta[:, None], precision)
-
+    if split:
+        x_ref[head, chunk, :, :] = x
+        return
+    key_slice, value_slice = _slice_writers(
+        load, (chunk, head, key_head), t, x, beta, q_scale, k_scale, gdn_decay, (q_ref, k_ref, v_ref, g_ref),
+        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
     for c0 in range(0, key_dim, bk):
-        k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
-        q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
-        if kda:
-            G = jnp.cumsum(_f32(load(g_ref, head, c0, bk)), axis=0)
-            g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
-            glast_ref[head, chunk, pl.ds(c0, bk)] = g_last
-            decay, to_end = jnp.exp(G), jnp.exp(g_last[None, :] - G)
-        else:
-            decay, to_end = jnp.exp(G)[:, None], jnp.exp(g_last - G)[:, None]
-        cs = pl.ds(c0, bk)
-        w_ref[head, chunk, :, cs] = _dot(x, k * decay * beta[:, None], precision).astype(out)
-        qg_ref[head, chunk, :, cs] = (q * decay).astype(out)
-        kd_ref[head, chunk, :, cs] = (k * to_end).astype(out)
+        key_slice(c0, bk)
     for c0 in range(0, value_dim, bv):
-        v = _f32(load(v_ref, head, c0, bv))
-        u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v * beta[:, None], precision).astype(out)
+        value_slice(c0, bv)
+
+
+def _apply_kernel(*refs, rep, kda, precision):
+    """The split intra kernel's second half, over (chunk, head, column slice): one 64-wide slice of w, q*e^G and
+    k*e^(G_last - G) (slices below K / 64) or of u (the rest), from the inverse ``_intra_kernel`` wrote. Fewer
+    registers and 2 + V / 64 times the programs of the whole intra kernel, at the cost of one [C, C] fp32
+    round trip through memory per (chunk, head) and recomputed row norms."""
+    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref = refs[:9]
+    if kda:
+        w_ref, u_ref, qg_ref, kd_ref, glast_ref = refs[9:]
+    else:
+        (w_ref, u_ref, qg_ref, kd_ref), glast_ref = refs[9:], None
+    chunk, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    key_head = head // rep
+    key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
+    bk, bv = min(64, key_dim), min(64, value_dim)
+    key_parts = key_dim // bk
+    t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, CHUNK)
+    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
+    gdn_decay = None if kda else _gdn_decay(g_ref, start, t, ok, head)
+    key_slice, value_slice = _slice_writers(
+        load, (chunk, head, key_head), t, x_ref[head, chunk, :, :], beta, q_scale, k_scale, gdn_decay,
+        (q_ref, k_ref, v_ref, g_ref), (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
+    pl.when(part < key_parts)(lambda: key_slice(part * bk, bk))
+    pl.when(part >= key_parts)(lambda: value_slice((part - key_parts) * bv, bv))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,10 +465,11 @@ def _params(dtype, num_warps, num_stages):
 
 
 def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
-          products_warps=4, interpret=False):
+          products_warps=4, split=False, interpret=False):
     """Kernel 1 over (chunk, head), reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk
     layout [H, num_chunks, C, .], and the chunk's total log decay. For KDA, the decayed products kk and qk come
-    first from ``_kda_products_kernel`` (over sub-blocks) and, for chunks it flags, ``_kda_exact_kernel``."""
+    first from ``_kda_products_kernel`` (over sub-blocks) and, for chunks it flags, ``_kda_exact_kernel``.
+    ``split`` runs it as two kernels: the inverse, then w/u/decayed q, k per column slice (``_apply_kernel``)."""
     heads, value_dim = v.shape[1:]
     key_heads, key_dim = q.shape[1:]
     rep = heads // key_heads
@@ -425,11 +486,29 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
     )
     g = g.astype(F32)
-    kernel = functools.partial(_intra_kernel, rep=rep, kda=kda, precision=precision)
+    inputs = (*table[:3], q, k, v, g, beta)
+    kind = "kda" if kda else "gdn"
+
+    def intra_call(out_shape, *extra):
+        kernel = functools.partial(_intra_kernel, rep=rep, kda=kda, precision=precision, split=split)
+        return pl.pallas_call(kernel, grid=(num_chunks, heads), out_shape=out_shape, compiler_params=params,
+                              interpret=interpret, name=f"delta_rule_intra_{kind}" + ("_inverse" if split else ""),
+                              )(*inputs, *extra)
+
+    def apply_call(x, out_shape):
+        parts = key_dim // min(64, key_dim) + value_dim // min(64, value_dim)
+        return pl.pallas_call(
+            functools.partial(_apply_kernel, rep=rep, kda=kda, precision=precision), grid=(num_chunks, heads, parts),
+            out_shape=out_shape, compiler_params=params, interpret=interpret, name=f"delta_rule_intra_{kind}_apply",
+        )(*inputs, x)
+
+    x_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
     if not kda:
-        w, u, qk, qg, kd, glast = pl.pallas_call(
-            kernel, grid=(num_chunks, heads), out_shape=(*outs[:2], qk_shape, *outs[2:]), compiler_params=params,
-            interpret=interpret, name="delta_rule_intra_gdn")(*table[:3], q, k, v, g, beta)
+        if split:
+            x, qk, glast = intra_call((x_shape, qk_shape, outs[4]))
+            w, u, qg, kd = apply_call(x, outs[:4])
+            return w, u, qk, qg, kd, glast
+        w, u, qk, qg, kd, glast = intra_call((*outs[:2], qk_shape, *outs[2:]))
         return w, u, qk, qg, kd, glast
     kk_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
     kk, qk, flag = pl.pallas_call(
@@ -442,9 +521,11 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
         grid=(num_chunks, heads), out_shape=(kk_shape, qk_shape), input_output_aliases={7: 0, 8: 1},
         compiler_params=params, interpret=interpret, name="delta_rule_kda_exact")(*table[:3], q, k, g, flag, kk, qk)
-    w, u, qg, kd, glast = pl.pallas_call(
-        kernel, grid=(num_chunks, heads), out_shape=outs, compiler_params=params, interpret=interpret,
-        name="delta_rule_intra_kda")(*table[:3], q, k, v, g, beta, kk)
+    if split:
+        x = intra_call(x_shape, kk)
+        w, u, qg, kd, glast = apply_call(x, outs)
+    else:
+        w, u, qg, kd, glast = intra_call(outs, kk)
     return w, u, qk, qg, kd, glast
 
 
@@ -509,7 +590,7 @@ def output(table, qg, h, qk, v_new, o_flat, *, block_v=64, num_warps=4, num_stag
 @functools.partial(
     jax.jit,
     static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
-                     "products_warps", "interpret"),
+                     "products_warps", "split_intra", "interpret"),
     donate_argnames=("state_pool",),
 )
 def delta_rule_prefill(
@@ -531,13 +612,15 @@ def delta_rule_prefill(
     fuse_output: bool = False,
     diag_span_limit: float = DIAG_SPAN_LIMIT,
     products_warps: int = 4,
+    split_intra: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
     ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA chunks whose
     sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form);
-    ``products_warps`` is the warp count of KDA's products kernel."""
+    ``products_warps`` is the warp count of KDA's products kernel; ``split_intra`` runs the intra kernel as two
+    (the inverse, then the column slices of w, u and the decayed q, k in parallel)."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
@@ -548,13 +631,14 @@ def delta_rule_prefill(
         o, state_pool = delta_rule_prefill(
             pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
             block_v=block_v, num_warps=num_warps, num_stages=num_stages, fuse_output=fuse_output,
-            diag_span_limit=diag_span_limit, products_warps=products_warps, interpret=interpret)
+            diag_span_limit=diag_span_limit, products_warps=products_warps, split_intra=split_intra,
+            interpret=interpret)
         return o[:num_tokens], state_pool
     num_chunks = num_tokens // CHUNK + starts.shape[0]
     table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
     w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
                                     num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
-                                    interpret=interpret)
+                                    split=split_intra, interpret=interpret)
     if fuse_output:
         return state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, jnp.zeros(v.shape, v.dtype),
                             block_v=block_v[0], num_warps=num_warps[1], num_stages=num_stages[1],

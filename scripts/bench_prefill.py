@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                     help="run only these cases (default: all)")
     ap.add_argument("--config", action="append", default=None,
                     help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1"
-                         "[,products_warps]]' "
+                         "[,products_warps[,split_intra 0/1]]]' "
                          "(repeatable; replaces the default list)")
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
         for text in args.config:
             bv, bo, w1, w2, w3, *rest = (int(x) for x in text.split(","))
             configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2),
-                                fuse_output=bool(rest and rest[0]), products_warps=rest[1] if len(rest) > 1 else 4))
+                                fuse_output=bool(rest and rest[0]), products_warps=rest[1] if len(rest) > 1 else 4,
+                                split_intra=bool(len(rest) > 2 and rest[2])))
     if dry:
         configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
@@ -149,6 +150,7 @@ def main(argv=None) -> int:
         x_sets = [make_inputs(s, kda, batch, length, heads, dim) for s in range(1 if dry else 3)]
         pool = jnp.asarray(np.random.default_rng(9).standard_normal((batch + 1, heads, dim, dim)) * 0.1, jnp.float32)
         x = x_sets[0]
+        pool0 = jnp.array(pool, copy=True)  # parity input; ``pool`` itself evolves through the timed calls
         o_ref, pool_ref = jax.jit(delta_rule_varlen_slots, static_argnames="max_len")(
             **x, state_pool=pool, max_len=length)
         o, new_pool = delta_rule_prefill(**x, state_pool=jnp.array(pool, copy=True), **configs[0])
@@ -198,6 +200,10 @@ def main(argv=None) -> int:
             if best is None or seconds < best[0]:
                 best = (seconds, cfg)
         seconds, cfg = best
+        if cfg is not configs[0]:  # the winner's parity too (configurations change the kernels, e.g. split_intra)
+            o_best, pool_best = delta_rule_prefill(**x, state_pool=jnp.array(pool0, copy=True), **cfg)
+            err = (rel(o_best, o_ref), rel(pool_best, pool_ref))
+            print(f"  parity of the winner vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
         if args.breakdown:
             print("  breakdown:", breakdown(x, pool, dry), flush=True)
         tokens = batch * length

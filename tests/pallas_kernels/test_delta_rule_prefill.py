@@ -42,11 +42,13 @@ def _run(x, **kw):
     return delta_rule_prefill(**dict(x, state_pool=jnp.array(x["state_pool"], copy=True)), interpret=True, **kw)
 
 
-@pytest.mark.parametrize("kda, fuse_output", [(False, False), (True, False), (False, True)])
-def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output):
+@pytest.mark.parametrize("kda, fuse_output, split_intra",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
+                          (True, False, True)])
+def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output, split_intra):
     x = _inputs(0, kda, decay=20.0 if kda else 3.0)  # KDA: strong per-channel decay, no lower bound
     o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
-    o, pool = _run(x, block_v=(16, 32), fuse_output=fuse_output)
+    o, pool = _run(x, block_v=(16, 32), fuse_output=fuse_output, split_intra=split_intra)
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
     assert not np.any(np.asarray(o)[146:150])  # the gap between sequences stays zero
     np.testing.assert_array_equal(np.asarray(pool)[5], np.asarray(x["state_pool"])[5])  # untouched slot
@@ -86,8 +88,9 @@ def test_unsupported_shapes_fall_back_to_the_oracle():
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
 
 
-@pytest.mark.parametrize("kda, fuse_output", [(False, False), (True, False), (False, True)])
-def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output):
+@pytest.mark.parametrize("kda, fuse_output, split_intra",
+                         [(False, False, False), (True, False, False), (False, True, False), (True, False, True)])
+def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output, split_intra):
     """8 sequences in 8192 tokens, 32 value heads (GDN: 8 key heads), K = V = 128, bf16 operands."""
     S = jax.ShapeDtypeStruct
     tokens, heads, key_heads, dim, rows = 8192, 32, 32 if kda else 8, 128, 8
@@ -100,7 +103,8 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output):
     )
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        lowered = delta_rule_prefill.trace(*args, fuse_output=fuse_output).lower(lowering_platforms=("cuda",))
+        lowered = delta_rule_prefill.trace(*args, fuse_output=fuse_output, split_intra=split_intra).lower(
+            lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.lower().count("triton") >= (2 if fuse_output else 3)  # the kernels
     assert "tf.aliasing_output" in text or "input_output_alias" in text  # the pool is updated in place
