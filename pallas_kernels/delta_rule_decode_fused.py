@@ -100,7 +100,7 @@ def _kernel(
     donate_argnames=("state_pool",),
 )
 def _fused(xq, xk, xv, wq, wk, wv, pq, pk, pv, gate, beta, A_log, dt_bias, state_pool, slots, fresh, *,
-           key_heads, offsets, kda, block_v=64, num_warps=4, heads_per_program=1, num_stages=1, slab_fastest=True,
+           key_heads, offsets, kda, block_v=64, num_warps=2, heads_per_program=1, num_stages=1, slab_fastest=True,
            interpret=False):
     batch = xq.shape[0]
     heads, key_dim, value_dim = state_pool.shape[1:]
