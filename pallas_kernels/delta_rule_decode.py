@@ -100,7 +100,7 @@ def delta_rule_decode(
     num_warps: int = 2,
     heads_per_program: int = 1,
     num_stages: int = 1,
-    slab_fastest: bool = False,
+    slab_fastest: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q, k: [B, H_k, K] raw; v: [B, H, V]; g: [B, H] (GDN) or [B, H, K] (KDA) log decay; beta: [B, H];

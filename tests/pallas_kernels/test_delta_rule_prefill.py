@@ -108,3 +108,16 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output, split_intr
     text = lowered.as_text()
     assert text.lower().count("triton") >= (2 if fuse_output else 3)  # the kernels
     assert "tf.aliasing_output" in text or "input_output_alias" in text  # the pool is updated in place
+
+
+@pytest.mark.parametrize("split_intra", [False, True])
+def test_kda_wide_keys_with_mild_and_strong_chunks(split_intra):
+    """K = 128 (two column slices in every kernel) and decay mild before token 100, strong after, so one call
+    mixes chunks of the factored form with flagged chunks redone by the exact kernel."""
+    x = _inputs(7, True, key_dim=128, value_dim=64, decay=0.5)
+    g = np.asarray(x["g"]).copy()
+    g[100:] = -np.random.default_rng(3).uniform(0.0, 20.0, g[100:].shape)
+    x["g"] = jnp.asarray(g)
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x, block_v=(16, 32), split_intra=split_intra)
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
