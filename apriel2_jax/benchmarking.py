@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -21,18 +22,6 @@ def hbm_bandwidth(repeats: int = 10) -> float:
         scale(x).block_until_ready()
         times.append(time.perf_counter() - start)
     return 2 * x.nbytes / statistics.median(times)
-
-
-def time_carried(step, inputs: list, carry, iters: int):
-    """Median wall seconds of ``carry = step(inputs[i % len(inputs)], carry)`` (e.g. a state pool donated from
-    call to call), each call waited for; one warm-up (compiling) call first. Returns (seconds, carry)."""
-    carry = jax.block_until_ready(step(inputs[0], carry))
-    times = []
-    for i in range(iters):
-        start = time.perf_counter()
-        carry = jax.block_until_ready(step(inputs[i % len(inputs)], carry))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), carry
 
 
 def time_torch_cuda(fn, iters: int, warmup: int = 3) -> float:
@@ -108,3 +97,30 @@ def time_looped(step, inputs: list, carry, steps: int, repeats: int = 5):
         jax.block_until_ready(carry)
         times.append(time.perf_counter() - start)
     return statistics.median(times) / steps, carry
+
+
+def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str = "") -> dict:
+    """{event name: (count, median µs)} of the events whose name contains ``match`` in a ``jax.profiler`` trace of
+    ``calls`` calls of ``fn()``: the GPU kernels (CUPTI also records kernels that torch launches, e.g. fla's) and
+    XLA's own events; Python host events (names starting with "$") are left out. The trace goes to ``trace_dir``
+    (a temporary directory if None)."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        where = trace_dir or scratch
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            for _ in range(calls):
+                fn()
+        path = sorted(glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and match in name and not name.startswith("$"):
+            durations.setdefault(name, []).append(float(e["dur"]))
+    return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}

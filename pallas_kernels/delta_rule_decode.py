@@ -136,6 +136,6 @@ def decode_slots(q, k, v, g, beta, state_pool, slots, fresh):
 
     if not supported(q, v, g if g.ndim == 3 else g[..., None]):
         return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
-    # Best of scripts/sweep_decode.py for both mixers (H100, 2026-11-22, device time in a jitted loop): 64-wide
-    # slabs, 4 warps, slabs of a head launched together; 99% (GDN) and 96% (KDA) of measured HBM bandwidth.
+    # Best of scripts/sweep_decode.py for both mixers (H100, 2026-11-22, device time, two runs): 64-wide slabs,
+    # 4 warps, slabs of a head launched together; 99-102% (GDN) and 96-101% (KDA) of measured HBM bandwidth.
     return delta_rule_decode(q, k, v, g, beta, state_pool, slots, fresh, **DISPATCH_CONFIG)

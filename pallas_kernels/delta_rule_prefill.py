@@ -51,8 +51,8 @@ from jax.experimental.pallas import triton as pltriton
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16
-# KDA diagonal sub-blocks whose decay spans at most this many nats (in every channel) take the one-dot factored
-# form, with factors within exp(+-20); stronger decay takes the exact column loop.
+# KDA sub-blocks whose decay spans at most this many nats (in every channel) take the factored form of
+# ``_kda_products_kernel``, with factors within exp(+-20); a chunk with a stronger one, ``_kda_exact_kernel``.
 DIAG_SPAN_LIMIT = 40.0
 
 
@@ -226,16 +226,16 @@ def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, 
         qk_ref[head, chunk, :, :] = jnp.where(rows >= cols, qk, 0.0).astype(qk_ref.dtype)
 
 
-def _slice_writers(load, ids, t, x, beta, q_scale, k_scale, gdn_decay, inputs, outputs, precision):
+def _slice_writers(load, ids, t, x, beta, inputs, outputs, precision):
     """Writers of one column slice of w, q*e^G, k*e^(G_last - G) (and KDA's G_last), and of one slice of u, given
-    the inverse ``x`` and the row scales. ``gdn_decay`` is GDN's (G, G_last) per token, None for KDA (whose decay
-    is per channel, taken per slice)."""
+    the inverse ``x``. The key-slice writer also takes the q/k row scales and ``gdn_decay``, GDN's (G, G_last) per
+    token (None for KDA, whose decay is per channel, taken per slice): only key slices need them."""
     q_ref, k_ref, v_ref, g_ref = inputs
     w_ref, u_ref, qg_ref, kd_ref, glast_ref = outputs
     chunk, head, key_head = ids
     size, out = t.shape[0], w_ref.dtype
 
-    def key_slice(c0, bk):
+    def key_slice(c0, bk, q_scale, k_scale, gdn_decay):
         k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
         q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
         cs = pl.ds(c0, bk)
@@ -313,10 +313,10 @@ def _intra_kernel(*refs, rep, kda, precision, split):
         x_ref[head, chunk, :, :] = x
         return
     key_slice, value_slice = _slice_writers(
-        load, (chunk, head, key_head), t, x, beta, q_scale, k_scale, gdn_decay, (q_ref, k_ref, v_ref, g_ref),
+        load, (chunk, head, key_head), t, x, beta, (q_ref, k_ref, v_ref, g_ref),
         (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
     for c0 in range(0, key_dim, bk):
-        key_slice(c0, bk)
+        key_slice(c0, bk, q_scale, k_scale, gdn_decay)
     for c0 in range(0, value_dim, bv):
         value_slice(c0, bv)
 
@@ -324,8 +324,8 @@ def _intra_kernel(*refs, rep, kda, precision, split):
 def _apply_kernel(*refs, rep, kda, precision):
     """The split intra kernel's second half, over (chunk, head, column slice): one 64-wide slice of w, q*e^G and
     k*e^(G_last - G) (slices below K / 64) or of u (the rest), from the inverse ``_intra_kernel`` wrote. Fewer
-    registers and 2 + V / 64 times the programs of the whole intra kernel, at the cost of one [C, C] fp32
-    round trip through memory per (chunk, head) and recomputed row norms."""
+    registers and K / 64 + V / 64 times the programs of the whole intra kernel, at the cost of one [C, C] fp32
+    round trip through memory per (chunk, head) and, in key slices, recomputed row norms."""
     start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref = refs[:9]
     if kda:
         w_ref, u_ref, qg_ref, kd_ref, glast_ref = refs[9:]
@@ -337,14 +337,17 @@ def _apply_kernel(*refs, rep, kda, precision):
     bk, bv = min(64, key_dim), min(64, value_dim)
     key_parts = key_dim // bk
     t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, CHUNK)
-    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
-    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
     beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
-    gdn_decay = None if kda else _gdn_decay(g_ref, start, t, ok, head)
     key_slice, value_slice = _slice_writers(
-        load, (chunk, head, key_head), t, x_ref[head, chunk, :, :], beta, q_scale, k_scale, gdn_decay,
-        (q_ref, k_ref, v_ref, g_ref), (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
-    pl.when(part < key_parts)(lambda: key_slice(part * bk, bk))
+        load, (chunk, head, key_head), t, x_ref[head, chunk, :, :], beta, (q_ref, k_ref, v_ref, g_ref),
+        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
+
+    @pl.when(part < key_parts)
+    def _():
+        q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+        k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+        key_slice(part * bk, bk, q_scale, k_scale, None if kda else _gdn_decay(g_ref, start, t, ok, head))
+
     pl.when(part >= key_parts)(lambda: value_slice((part - key_parts) * bv, bv))
 
 

@@ -224,15 +224,21 @@ def _check(u, A_log, B, C, state_pool, heads_per_program):
     return heads, rho
 
 
+def _prepare(u, A_log, B, C, dt_bias, state_pool, heads_per_program):
+    """Checked geometry shared by the one-pass and segmented prefill: (heads, heads per B group, N, dt bias (zeros
+    if None), the free reshape [.., Din] -> [.., heads, N])."""
+    heads, rho = _check(u, A_log, B, C, state_pool, heads_per_program)
+    n = A_log.shape[-1]
+    if dt_bias is None:
+        dt_bias = jnp.zeros((u.shape[-1],), F32)
+    return heads, rho, n, dt_bias, lambda a: a.reshape(a.shape[:-1] + (heads, n))
+
+
 def _call(u, delta, A_log, B, C, D, z, dt_bias, state_pool, meta, grid_rows, *, decode, heads_per_program,
           num_warps, num_stages, interpret):
     n_tokens, channels = u.shape
-    n = A_log.shape[-1]
-    heads, rho = _check(u, A_log, B, C, state_pool, heads_per_program)
+    heads, rho, n, dt_bias, per_head = _prepare(u, A_log, B, C, dt_bias, state_pool, heads_per_program)
     bh = heads_per_program
-    if dt_bias is None:
-        dt_bias = jnp.zeros((channels,), F32)
-    per_head = lambda a: a.reshape(a.shape[:-1] + (heads, n))  # noqa: E731  (free reshapes: [.., Din] -> [.., H, N])
     pool_shape = state_pool.shape
     kernel = functools.partial(_kernel, bh=bh, rho=rho, decode=decode, barrier=not interpret)
     y, pool = pl.pallas_call(
@@ -253,13 +259,9 @@ def _call_segmented(u, delta, A_log, B, C, D, z, dt_bias, state_pool, meta, *, s
     """The three passes of the time-segmented prefill (see ``_segment_state_kernel``). Its per-part states take
     rows x segments x Din x N x 4 bytes twice (2.1 GB at 256 rows, 32 segments, Din 4096, N 16): a dispatch rule
     must bound rows x segments, which suits few long sequences anyway."""
-    n_tokens, channels = u.shape
-    n = A_log.shape[-1]
-    heads, rho = _check(u, A_log, B, C, state_pool, heads_per_program)
+    n_tokens = u.shape[0]
+    heads, rho, n, dt_bias, per_head = _prepare(u, A_log, B, C, dt_bias, state_pool, heads_per_program)
     bh = heads_per_program
-    if dt_bias is None:
-        dt_bias = jnp.zeros((channels,), F32)
-    per_head = lambda a: a.reshape(a.shape[:-1] + (heads, n))  # noqa: E731
     starts, lengths, slots, fresh, pre, hi = meta
     rows = starts.shape[0]
     a3 = A_log.reshape(heads, n, n)
@@ -284,7 +286,7 @@ def _call_segmented(u, delta, A_log, B, C, D, z, dt_bias, state_pool, meta, *, s
         compiler_params=params, interpret=interpret, name="selective_scan_segment_output",
     )(starts, lengths, pre, hi, per_head(u), per_head(delta), a3, B, C, per_head(D), per_head(z), per_head(dt_bias),
       first)
-    return y.reshape(n_tokens, channels), pool.reshape(pool_shape)
+    return y.reshape(u.shape), pool.reshape(pool_shape)
 
 
 @functools.partial(

@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -36,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, time_looped  # noqa: E402
 from apriel2_jax.ops.conv import causal_conv1d_decode_slots, causal_conv1d_varlen_slots  # noqa: E402
 from apriel2_jax.ops.mamba import selective_scan_decode_slots, selective_scan_varlen_slots  # noqa: E402
 from pallas_kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen  # noqa: E402
@@ -107,17 +106,11 @@ def layout(rows, per_row, ragged, seed=7):
 
 
 def time_calls(fn, sets, pool, iters, repeats):
-    """fn(inputs, pool) -> (y, pool). Returns (median seconds per call, pool)."""
-    y, pool = fn(sets[0], pool)  # compile + warm up
-    jax.block_until_ready((y, pool))
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for i in range(iters):
-            y, pool = fn(sets[i % len(sets)], pool)
-        jax.block_until_ready((y, pool))
-        runs.append((time.perf_counter() - start) / iters)
-    return statistics.median(runs), pool
+    """fn(inputs, pool) -> (y, pool). Returns (median seconds per call, pool): calls back to back, waited for once
+    (``benchmarking.time_looped``; each call reads the pool the previous one wrote)."""
+    carry = fn(sets[0], pool)
+    seconds, (_, pool) = time_looped(lambda x, c: fn(x, c[1]), sets, carry, iters, repeats)
+    return seconds, pool
 
 
 def rel_err(a, b, mask=None):

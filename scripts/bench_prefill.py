@@ -16,7 +16,6 @@ the previous one (ratios use these); fla's CUDA-event time per call is printed t
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -28,9 +27,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import after, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda  # noqa: E402
+from apriel2_jax.benchmarking import (  # noqa: E402
+    after, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda, traced_kernel_times)
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
-from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
 
 
@@ -79,28 +78,12 @@ def time_ours(x_sets, pool, iters, **kw):
 
 
 def breakdown(x, pool, dry):
-    """Device ms of each kernel on its own (default configuration), 10 calls issued back to back."""
-    interp = dict(interpret=True) if dry else {}
-    num_tokens = x["q"].shape[0]
-    num_chunks = num_tokens // CHUNK + x["starts"].shape[0]
-    table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
-    intra = functools.partial(kernels.intra, table, num_chunks=num_chunks, **interp)
-    w, u, qk, qg, kd, glast = intra(x["q"], x["k"], x["v"], x["g"], x["beta"])
-    state = functools.partial(kernels.state, **interp)
-    h, v_new, _ = state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, jnp.array(pool, copy=True))
-    output = functools.partial(kernels.output, table, **interp)
-    zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
-    stages = dict(
-        intra=(lambda _, c: kernels.intra((after(table[0], c), *table[1:]), x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                          num_chunks=num_chunks, **interp), (w, u, qk, qg, kd, glast)),
-        state=(lambda _, c: state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast, c[2]),
-               (h, v_new, jnp.array(pool, copy=True))),
-        output=(lambda _, c: output(qg, h, qk, v_new, c), zeros),
-    )
-    steps = 2 if dry else 10
-    copy = functools.partial(jax.tree.map, lambda a: jnp.array(a, copy=True))  # the loop donates its carry
-    return {name: round(time_looped(fn, [None], copy(carry), steps, repeats=3)[0] * 1e3, 3)
-            for name, (fn, carry) in stages.items()}
+    """GPU ms of each prefill kernel (default configuration) from a profiler trace of 3 calls (empty on CPU)."""
+    from scripts.profile_prefill import stage_runner
+
+    run = stage_runner(x, pool, interpret=dry)
+    run()
+    return {name: round(us / 1e3, 3) for name, (_, us) in traced_kernel_times(run, 3, match="delta_rule").items()}
 
 
 def main(argv=None) -> int:
@@ -113,7 +96,7 @@ def main(argv=None) -> int:
                     help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1"
                          "[,products_warps[,split_intra 0/1]]]' "
                          "(repeatable; replaces the default list)")
-    ap.add_argument("--breakdown", action="store_true", help="also time each stage (XLA packing, 3 kernels)")
+    ap.add_argument("--breakdown", action="store_true", help="also print each kernel's GPU time from a profiler trace")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="also record 3 fla calls with jax.profiler (CUPTI sees torch's kernels) and print the events")
@@ -183,15 +166,10 @@ def main(argv=None) -> int:
             print(f"  fla: {fla_s * 1e3:.3f} ms back to back, {fla_events_s * 1e3:.3f} ms by CUDA events per call",
                   flush=True)
             if args.trace:
-                from scripts.profile_prefill import kernel_times
-
-                where = os.path.join(args.trace, f"fla_{kind}_{batch}")
-                with jax.profiler.trace(where, create_perfetto_trace=True):
-                    for _ in range(3):
-                        run_fla()
-                        torch.cuda.synchronize()
-                for name, (count, median_us) in kernel_times(where, match="").items():
-                    if count >= 3 and not name.startswith("$"):
+                times = traced_kernel_times(lambda: (run_fla(), torch.cuda.synchronize()), 3,
+                                            os.path.join(args.trace, f"fla_{kind}_{batch}"))
+                for name, (count, median_us) in times.items():
+                    if count >= 3:
                         print(f"  trace {name[:90]}: {count} events, median {median_us:.1f} us", flush=True)
         best = None
         for cfg in configs:

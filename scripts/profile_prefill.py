@@ -17,10 +17,31 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from apriel2_jax.benchmarking import traced_kernel_times  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from scripts.bench_prefill import make_inputs  # noqa: E402
 
 CASES = {"gdn1": (False, 1, 8192, 16), "gdn8": (False, 8, 2048, 32), "kda1": (True, 1, 8192, 16)}
+
+
+def stage_runner(x, pool, interpret: bool = False):
+    """A call of the three prefill stages (intra, state, output; default configuration) on inputs ``x`` of
+    ``bench_prefill.make_inputs``, each stage waited for, the pool copied (not consumed)."""
+    interp = dict(interpret=True) if interpret else {}
+    num_tokens = x["q"].shape[0]
+    num_chunks = num_tokens // kernels.CHUNK + x["starts"].shape[0]
+    table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
+    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, **interp))
+    state = jax.jit(lambda *a: kernels.state(*a, **interp))
+    output = jax.jit(lambda *a: kernels.output(table, *a, **interp))
+
+    def run():
+        w, u, qk, qg, kd, glast = jax.block_until_ready(intra(x["q"], x["k"], x["v"], x["g"], x["beta"]))
+        h, v_new, _ = jax.block_until_ready(state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast,
+                                                  jnp.array(pool, copy=True)))
+        jax.block_until_ready(output(qg, h, qk, v_new, jnp.zeros(x["v"].shape, x["v"].dtype)))
+
+    return run
 
 
 def main(argv=None) -> int:
@@ -34,49 +55,17 @@ def main(argv=None) -> int:
     kda, batch, length, heads = CASES[args.case]
     x = make_inputs(0, kda, batch, length, heads, 128)
     pool = jnp.asarray(np.random.default_rng(9).standard_normal((batch + 1, heads, 128, 128)) * 0.1, jnp.float32)
-    num_tokens = x["q"].shape[0]
-    num_chunks = num_tokens // kernels.CHUNK + batch
-    table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
-    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks))
-    state = jax.jit(lambda *a: kernels.state(*a))
-    output = jax.jit(lambda *a: kernels.output(table, *a))
-    def run():
-        w, u, qk, qg, kd, glast = jax.block_until_ready(intra(x["q"], x["k"], x["v"], x["g"], x["beta"]))
-        h, v_new, _ = jax.block_until_ready(state(table[3], table[4], x["slots"], x["fresh"], w, u, kd, glast,
-                                                  jnp.array(pool, copy=True)))
-        jax.block_until_ready(output(qg, h, qk, v_new, jnp.zeros(x["v"].shape, x["v"].dtype)))
-
+    run = stage_runner(x, pool)
     run()
     if args.trace:
-        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-            for _ in range(args.runs - 1):
-                run()
-        for name, (count, median_us) in kernel_times(args.trace).items():
+        times = traced_kernel_times(run, args.runs - 1, args.trace, match="delta_rule")
+        for name, (count, median_us) in times.items():
             print(f"{name}: {count} calls, median {median_us:.1f} us")
     else:
         for _ in range(args.runs - 1):
             run()
     print("done", args.case)
     return 0
-
-
-def kernel_times(trace_dir: str, match: str = "delta_rule") -> dict:
-    """{kernel name: (calls, median µs)} of the GPU events named ``*match*`` in the perfetto trace under
-    ``trace_dir``."""
-    import glob
-    import gzip
-    import json
-    import statistics
-
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    durations: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and match in e.get("name", "") and "dur" in e:
-            durations.setdefault(e["name"], []).append(float(e["dur"]))
-    return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}
 
 
 if __name__ == "__main__":

@@ -26,17 +26,7 @@ import numpy as np  # noqa: E402
 from apriel2_jax.benchmarking import print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.delta_rule import delta_rule_decode_slots  # noqa: E402
 from pallas_kernels.delta_rule_decode import decode_slots, delta_rule_decode  # noqa: E402
-
-
-def inputs(seed, kda, batch, heads, key_heads, dim):
-    rng = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
-    key_heads = heads if kda else key_heads
-    g_shape = (batch, heads, dim) if kda else (batch, heads)
-    return dict(q=f(batch, key_heads, dim), k=f(batch, key_heads, dim), v=f(batch, heads, dim),
-                g=-jnp.asarray(rng.uniform(0.0, 0.1, g_shape), jnp.float32),
-                beta=jnp.asarray(rng.uniform(0.0, 1.0, (batch, heads)), jnp.float32),
-                slots=jnp.asarray(rng.permutation(batch) + 1, jnp.int32), fresh=jnp.zeros((batch,), bool))
+from scripts.bench_kernels import inputs  # noqa: E402
 
 
 CONFIGS = (
@@ -71,7 +61,7 @@ def main(argv=None) -> int:
         configs, interp = [(8, 1, 1, 1, True), (8, 2, 2, 2, False)], dict(interpret=True)
     pool = jnp.asarray(np.random.default_rng(9).standard_normal((B + 1, H, D, D)) * 0.1, jnp.float32)
     if args.profile:
-        x = inputs(0, args.profile == "kda", B, H, Hk, D)
+        x = inputs(0, args.profile == "kda", B, H, H if args.profile == "kda" else Hk, D)
         for _ in range(3):
             o, pool = decode_slots(**x, state_pool=pool)
             jax.block_until_ready(pool)
@@ -85,7 +75,7 @@ def main(argv=None) -> int:
     state_bytes = 2 * B * H * D * D * 4
     rows = []
     for kda in (False, True):
-        x_sets = [inputs(s, kda, B, H, Hk, D) for s in range(3)]
+        x_sets = [inputs(s, kda, B, H, H if kda else Hk, D) for s in range(3)]
         pool0 = jnp.array(pool, copy=True)  # parity input; ``pool`` itself evolves through the timed steps
         o_ref, pool_ref = jax.jit(delta_rule_decode_slots)(**x_sets[0], state_pool=pool0)
         results = []
