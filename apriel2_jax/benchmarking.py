@@ -100,10 +100,10 @@ def time_looped(step, inputs: list, carry, steps: int, repeats: int = 5):
 
 
 def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str = "") -> dict:
-    """{event name: (count, median µs)} of the events whose name contains ``match`` in a ``jax.profiler`` trace of
-    ``calls`` calls of ``fn()``: the GPU kernels (CUPTI also records kernels that torch launches, e.g. fla's) and
-    XLA's own events; Python host events (names starting with "$") are left out. The trace goes to ``trace_dir``
-    (a temporary directory if None)."""
+    """{kernel name: (count, median µs)} of the GPU kernels whose name contains ``match`` in a ``jax.profiler``
+    trace of ``calls`` calls of ``fn()``, as the device's stream tracks record them (CUPTI also records kernels
+    that torch launches, e.g. fla's). Empty where no GPU ran (CPU). The trace goes to ``trace_dir`` (a temporary
+    directory if None)."""
     import glob
     import gzip
     import json
@@ -117,10 +117,25 @@ def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str
         path = sorted(glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True))[-1]
         with gzip.open(path) as f:
             events = json.load(f)
+    return kernel_times(events, match)
+
+
+def kernel_times(events, match: str = "") -> dict:
+    """{kernel name: (count, median µs)} from the events of a perfetto trace (a list, or a dict with
+    "traceEvents"). Only the GPU's stream tracks count: a kernel's name also marks its host-side launch (a few µs,
+    on a host thread), and a median over both sets is meaningless (it halved every kernel time reported before
+    2026-11-22, session 5)."""
     events = events["traceEvents"] if isinstance(events, dict) else events
+    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     durations: dict[str, list[float]] = {}
     for e in events:
         name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and match in name and not name.startswith("$"):
+        if not (e.get("ph") == "X" and "dur" in e and match in name):
+            continue
+        track = e.get("pid"), e.get("tid")
+        if processes.get(track[0], "").startswith("/device:") and threads.get(track, "").startswith("Stream"):
             durations.setdefault(name, []).append(float(e["dur"]))
     return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}

@@ -357,11 +357,27 @@ def varlen_slots(u, delta, A_log, B, C, D, z, dt_bias, state_pool, starts, lengt
     if not supported(u, A_log, B, C, state_pool):
         return selective_scan_varlen_slots(u, delta, A_log, B, C, D, z, dt_bias, state_pool, starts, lengths,
                                            slots, fresh, max_len=max_len)
-    # Untuned default (see scripts/bench_mamba_conv.py): one head (N channels) per program for parallelism when
-    # few sequences are in flight. The time-segmented form (``segments``) is CPU-tested but not yet timed on a GPU
-    # (bench_mamba_conv.py --segments times it), so the one-pass kernel stays the dispatch.
+    # One head (N channels) per program for parallelism when few sequences are in flight, and the sequences cut
+    # into time segments (see _segments).
     return selective_scan_varlen(u, delta, A_log, B, C, D, z, dt_bias, state_pool, starts, lengths, slots, fresh,
-                                 max_len=max_len, heads_per_program=_heads_per_program(B, C, 1))
+                                 max_len=max_len, heads_per_program=_heads_per_program(B, C, 1),
+                                 segments=_segments(starts.shape[0], max_len, u.shape[-1], state_pool.shape[-1]))
+
+
+def _segments(rows: int, max_len: int | None, channels: int, state_size: int) -> int:
+    """Time segments for the prefill scan. Measured on an H100 (Din 4096, N 16; scripts/bench_mamba_conv.py
+    --segments, 2026-11-22): B=1 T=8192 8.58 ms in one pass, 1.68 ms with 8 segments, 1.49 ms with 32; B=8 T=2048
+    3.00 / 2.90 / 2.78 ms. So: up to 32 segments while rows x segments <= 256 (the per-part states stay under
+    256 x Din x N x 8 bytes, 134 MB at Din 4096, N 16) and each segment keeps >= 64 tokens of the longest
+    sequence (B=8 T=2048 was fastest at 64)."""
+    if max_len is None:
+        return 1
+    budget = 256 * 4096 * 16  # rows x segments x Din x N at the measured bound
+    segments = 1
+    while (segments * 2 <= 32 and rows * segments * 2 * channels * state_size <= budget
+           and max_len // (segments * 2) >= 64):
+        segments *= 2
+    return segments
 
 
 def decode_slots(u, delta, A_log, B, C, D, z, dt_bias, state_pool, slots, fresh):

@@ -16,6 +16,7 @@ the previous one (ratios use these); fla's CUDA-event time per call is printed t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -86,6 +87,15 @@ def breakdown(x, pool, dry):
     return {name: round(us / 1e3, 3) for name, (_, us) in traced_kernel_times(run, 3, match="delta_rule").items()}
 
 
+def print_kernel_times(times: dict, calls: int = 3) -> float:
+    """Prints each kernel's median GPU time from ``traced_kernel_times`` and returns the µs per call of all."""
+    for name, (count, median_us) in times.items():
+        print(f"  kernel {name[:90]}: {count / calls:g} per call, median {median_us:.1f} us", flush=True)
+    total = sum(count * median_us for count, median_us in times.values()) / calls
+    print(f"  kernels' GPU time per call: {total:.1f} us", flush=True)
+    return total
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
         o, new_pool = delta_rule_prefill(**x, state_pool=jnp.array(pool, copy=True), **configs[0])
         err = (rel(o, o_ref), rel(new_pool, pool_ref))
         print(f"  parity vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
-        fla_s, err_fla = None, None
+        fla_s, err_fla, fla_kernel_us = None, None, None
         if not dry:
             import torch
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -166,15 +176,19 @@ def main(argv=None) -> int:
             print(f"  fla: {fla_s * 1e3:.3f} ms back to back, {fla_events_s * 1e3:.3f} ms by CUDA events per call",
                   flush=True)
             if args.trace:
-                times = traced_kernel_times(lambda: (run_fla(), torch.cuda.synchronize()), 3,
-                                            os.path.join(args.trace, f"fla_{kind}_{batch}"))
-                for name, (count, median_us) in times.items():
-                    if count >= 3:
-                        print(f"  trace {name[:90]}: {count} events, median {median_us:.1f} us", flush=True)
-        best = None
+                fla_kernel_us = print_kernel_times(traced_kernel_times(
+                    lambda: (run_fla(), torch.cuda.synchronize()), 3, os.path.join(args.trace, f"fla_{kind}_{batch}")))
+        best, kernel_us = None, {}
         for cfg in configs:
             seconds, pool = time_ours(x_sets, pool, args.iters, **cfg)
             print(f"  {cfg}: {seconds * 1e3:.3f} ms", flush=True)
+            if args.trace:  # kernel GPU time of this configuration, free of host dispatch
+                call = jax.jit(functools.partial(delta_rule_prefill, **cfg))
+                jax.block_until_ready(call(**x, state_pool=pool0))
+                times = traced_kernel_times(lambda: jax.block_until_ready(call(**x, state_pool=pool0)), 3,
+                                            os.path.join(args.trace, f"ours_{kind}_{batch}_{len(rows)}"),
+                                            match="delta_rule")
+                kernel_us[id(cfg)] = print_kernel_times(times)
             if best is None or seconds < best[0]:
                 best = (seconds, cfg)
         seconds, cfg = best
@@ -195,6 +209,9 @@ def main(argv=None) -> int:
                        speedup_vs_fla=round(fla_s / seconds, 3),
                        ours_TFLOPs=round(flops / seconds / 1e12, 1), pct_peak=round(100 * flops / seconds / peak, 1),
                        peak_TFLOPs=round(peak / 1e12, 1), err_vs_fla=f"{err_fla[0]:.1e}/{err_fla[1]:.1e}")
+        if fla_kernel_us and kernel_us.get(id(cfg)):  # the strict comparison: GPU time of the kernels alone
+            row.update(ours_kernels_us=round(kernel_us[id(cfg)], 1), fla_kernels_us=round(fla_kernel_us, 1),
+                       kernel_speedup=round(fla_kernel_us / kernel_us[id(cfg)], 3))
         rows.append(row)
         print("  " + str(row), flush=True)
     print_rows(rows, args.json)

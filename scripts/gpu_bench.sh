@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every kernel benchmark in one device call (carry .whl for fla); each step has its own time limit and the run
-# goes on after a failure; the step limits add up to 590 s, under the device tool's 600 s per command.
+# goes on after a failure; the step limits add up to 580 s, under the device tool's 600 s per command.
 # Usage: bash scripts/gpu_bench.sh OUT_DIR [--sweep]
 set -u
 out=${1:-/tmp/gpu_bench}
@@ -13,12 +13,11 @@ step() {  # name seconds command...
   echo "rc=$?"; grep -v -i "warn" "$out/$name.log" | tail -8
 }
 # One process per prefill case: compiling ours and fla's for several cases in one process ran past 170 s on a
-# fresh machine. --trace records fla's kernels; our kernel times: profile_prefill.py --trace (prefill_kernels).
+# fresh machine. --trace prints the kernel GPU times of fla and of each of our configurations.
 # The second config of each case is the split intra kernel (not dispatched until it measures faster).
-step prefill_kda1 100 python3 scripts/bench_prefill.py --case kda1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_kda1.json"
-step prefill_gdn1 80 python3 scripts/bench_prefill.py --case gdn1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_gdn1.json"
-step prefill_gdn8 80 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 64,64,4,4,4,1 --config 64,64,4,4,4,1,4,1 --trace "$out/trace" --json "$out/prefill_gdn8.json"
-step prefill_kernels 60 bash -c 'for c in kda1 gdn1 gdn8; do python3 scripts/profile_prefill.py --case $c --runs 4 --trace "$0/trace_$c"; done' "$out"
+step prefill_kda1 120 python3 scripts/bench_prefill.py --case kda1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_kda1.json"
+step prefill_gdn1 95 python3 scripts/bench_prefill.py --case gdn1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_gdn1.json"
+step prefill_gdn8 95 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 64,64,4,4,4,1 --config 64,64,4,4,4,1,4,1 --trace "$out/trace" --json "$out/prefill_gdn8.json"
 step mamba_conv 90 python3 scripts/bench_mamba_conv.py --no-sweep --segments 8 32 --json "$out/mamba_conv.json"
 step decode 40 python3 scripts/sweep_decode.py --config 64,4,1,1,1 --json "$out/decode.json"
 step attention_decode 70 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"

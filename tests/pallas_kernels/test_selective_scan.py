@@ -128,3 +128,20 @@ def test_cross_lowers_for_cuda_at_production_shapes(decode):
         for hp, segments in ((1, 1), (4, 1), (1, 32)):
             _lower(selective_scan_varlen, *args, S((seqs,), i32), S((seqs,), i32), S((seqs,), i32),
                    S((seqs,), jnp.bool_), max_len=2048, heads_per_program=hp, segments=segments)
+
+
+def test_segment_rule_bounds_memory_and_segment_length():
+    """The dispatch's time segments: many for one long sequence, none for short or many sequences, and the
+    per-part states (rows x segments x Din x N) never above the measured bound."""
+    from pallas_kernels.selective_scan import _segments
+
+    assert _segments(1, 8192, 4096, 16) == 32
+    assert _segments(8, 2048, 4096, 16) == 32  # 64 tokens per segment
+    assert _segments(8, 1024, 4096, 16) == 16
+    assert _segments(1, 100, 4096, 16) == 1
+    assert _segments(256, 8192, 4096, 16) == 1
+    assert _segments(1, None, 4096, 16) == 1
+    for rows in (1, 3, 8, 64):
+        for din in (1024, 4096, 8192):
+            p = _segments(rows, 1 << 16, din, 16)
+            assert 1 <= p <= 32 and (p == 1 or rows * p * din * 16 <= 256 * 4096 * 16)

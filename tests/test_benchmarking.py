@@ -1,0 +1,19 @@
+"""The trace reader behind the benchmarks' kernel GPU times (apriel2_jax.benchmarking.kernel_times)."""
+
+from apriel2_jax.benchmarking import kernel_times
+
+
+def _meta(pid, tid, process, thread):
+    return [dict(ph="M", name="process_name", pid=pid, args=dict(name=process)),
+            dict(ph="M", name="thread_name", pid=pid, tid=tid, args=dict(name=thread))]
+
+
+def test_kernel_times_counts_gpu_stream_events_only():
+    """A kernel's name also marks its host-side launch; only the device stream's events are kernel times."""
+    events = _meta(1, 7, "/device:GPU:0", "Stream #7(Compute)") + _meta(2, 3, "/host:CPU", "Host Threads/1")
+    events += [dict(ph="X", name="chunk_o", pid=1, tid=7, dur=d) for d in (94.0, 95.0, 96.0)]
+    events += [dict(ph="X", name="chunk_o", pid=2, tid=3, dur=d) for d in (9.0, 10.0, 29.0)]
+    events += [dict(ph="X", name="other", pid=1, tid=7, dur=5.0), dict(ph="i", name="chunk_o", pid=1, tid=7)]
+    assert kernel_times({"traceEvents": events}, match="chunk") == {"chunk_o": (3, 95.0)}
+    assert kernel_times(events) == {"chunk_o": (3, 95.0), "other": (1, 5.0)}
+    assert kernel_times(events[4:]) == {}  # no track names: nothing is known to be a GPU kernel
