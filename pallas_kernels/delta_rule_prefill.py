@@ -54,6 +54,8 @@ SUB = 16
 # KDA sub-blocks whose decay spans at most this many nats (in every channel) take the factored form of
 # ``_kda_products_kernel``, with factors within exp(+-20); a chunk with a stronger one, ``_kda_exact_kernel``.
 DIAG_SPAN_LIMIT = 40.0
+# The dispatched configuration for many (sequence, head) pairs: see ``prefill_slots``.
+FUSED_CONFIG = dict(block_v=(128, 128), num_warps=(4, 8, 4), num_stages=(1, 2, 2), fuse_output=True)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -532,7 +534,7 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
     return w, u, qk, qg, kd, glast
 
 
-def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=32, num_warps=4, num_stages=2,
+def state(first, count, slots, fresh, w, u, kd, glast, state_pool, *, block_v=16, num_warps=4, num_stages=4,
           interpret=False):
     """Kernel 2 over (sequence, head, V-slab): chunk-start states h, v', and the pool updated in place."""
     heads, num_chunks, size, value_dim = u.shape
@@ -574,7 +576,7 @@ def state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, o_fla
       state_pool, o_flat)[::-1]
 
 
-def output(table, qg, h, qk, v_new, o_flat, *, block_v=64, num_warps=4, num_stages=2, interpret=False):
+def output(table, qg, h, qk, v_new, o_flat, *, block_v=128, num_warps=4, num_stages=2, interpret=False):
     """Kernel 3 over (chunk, head, V-slab): o written into the flat buffer ``o_flat`` (aliased) by valid row."""
     heads, num_chunks, size, value_dim = v_new.shape
     block_v = min(block_v, value_dim)
@@ -609,9 +611,9 @@ def delta_rule_prefill(
     fresh: jax.Array,
     *,
     max_len: int | None = None,
-    block_v: tuple[int, int] = (32, 64),
+    block_v: tuple[int, int] = (16, 128),
     num_warps: tuple[int, int, int] = (4, 4, 4),
-    num_stages: tuple[int, int, int] = (1, 2, 2),
+    num_stages: tuple[int, int, int] = (1, 4, 2),
     fuse_output: bool = False,
     diag_span_limit: float = DIAG_SPAN_LIMIT,
     products_warps: int = 4,
@@ -666,10 +668,12 @@ def prefill_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, *
     # (0.556 against 0.638 ms at B=1, 1.42 against 1.84 at B=8): the split re-reads its operands for little gain.
     split = g.ndim == 3
     if starts.shape[0] * v.shape[1] >= 264 and v.dtype != jnp.float32:
-        # Enough (sequence, head) programs to fill 132 SMs twice: wider V-slabs re-read w and k fewer times, and
-        # the output comes straight from the register state (bf16, B=8 T=2048 H=32 on an H100: 2.28 ms against
-        # 2.94 with 32-wide slabs and the separate output kernel). With few sequences the sequential state
-        # kernel is the critical path and the chunk-parallel output kernel stays separate.
-        return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, block_v=(64, 64),
-                                  fuse_output=True, split_intra=split)
+        # Enough (sequence, head) programs to fill 132 SMs twice: wide V-slabs re-read w and k fewer times, and
+        # the output comes straight from the register state (bf16, B=8 T=2048 H=32 on an H100, kernel GPU time:
+        # 390 µs with 128-wide slabs and 8 warps, 452 with 64 and 4; the separate state and output kernels took
+        # 403 + 70). With few sequences the sequential state kernel is the critical path: narrow slabs spread it
+        # over more SMs (B=1 T=8192 H=16: 126 µs at 16 wide with 4 pipeline stages, 202 at 32 wide with 2) and
+        # the chunk-parallel output kernel stays separate (68 µs at 128 wide, 88 at 64).
+        return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, **FUSED_CONFIG,
+                                  split_intra=split)
     return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, split_intra=split)

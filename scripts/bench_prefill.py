@@ -2,7 +2,7 @@
 """GDN/KDA chunked prefill on the GPU: our Pallas kernels vs fla's Triton ``chunk_gated_delta_rule`` /
 ``chunk_kda`` side by side in one run, plus parity against the jnp reference.
 
-    python scripts/bench_prefill.py [--sweep] [--json PATH]
+    python scripts/bench_prefill.py [--case gdn1|gdn8|kda1] [--config ...] [--trace DIR] [--json PATH]
     python scripts/bench_prefill.py --dry-run        # tiny shapes, interpret mode, CPU
 
 Shapes (issue 4): GDN (B=1, T=8192, H=16) and (B=8, T=2048, H=32); KDA (B=1, T=8192, H=16); K = V = 128, bf16
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from apriel2_jax.benchmarking import (  # noqa: E402
     after, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda, traced_kernel_times)
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
-from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill  # noqa: E402
+from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill, prefill_slots  # noqa: E402
 
 
 def make_inputs(seed, kda, batch, length, heads, dim):
@@ -67,12 +67,19 @@ def matmul_peak() -> float:
     return 2 * 8192**3 / statistics.median(times)
 
 
-def time_ours(x_sets, pool, iters, **kw):
+def prefill_fn(cfg: dict, max_len: int):
+    """The prefill a configuration names: {} is the dispatch (``prefill_slots``), else ``delta_rule_prefill``."""
+    if not cfg:
+        return functools.partial(prefill_slots, max_len=max_len)
+    return functools.partial(delta_rule_prefill, **cfg)
+
+
+def time_ours(x_sets, pool, iters, fn):
     """Device time per call: ``iters`` calls issued back to back, waited for once (as fla's CUDA events).
     The output is carried with the pool: a result the loop dropped would let XLA remove the kernel making it."""
     out = jnp.zeros(x_sets[0]["v"].shape, x_sets[0]["v"].dtype)
     def step(x, c):  # ``after``: each call starts once the previous one has finished, as in fla's timing
-        return delta_rule_prefill(**dict(x, starts=after(x["starts"], c)), state_pool=c[1], **kw)
+        return fn(**dict(x, starts=after(x["starts"], c)), state_pool=c[1])
 
     seconds, (_, pool) = time_looped(step, x_sets, (out, pool), iters, repeats=3)
     return seconds, pool
@@ -99,13 +106,12 @@ def print_kernel_times(times: dict, calls: int = 3) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="try several block/warp configurations")
     ap.add_argument("--case", action="append", choices=("gdn1", "gdn8", "kda1"),
                     help="run only these cases (default: all)")
     ap.add_argument("--config", action="append", default=None,
-                    help="a configuration to time, 'bv_state,bv_out,warps_intra,warps_state,warps_out[,fuse_output 0/1"
-                         "[,products_warps[,split_intra 0/1]]]' "
-                         "(repeatable; replaces the default list)")
+                    help="a configuration to time instead of the dispatch, 'bv_state,bv_out,warps_intra,warps_state,"
+                         "warps_out[,fuse_output 0/1[,products_warps[,split_intra 0/1[,stages_state]]]]' (repeatable; "
+                         "scripts/sweep_prefill.py times each kernel under many)")
     ap.add_argument("--breakdown", action="store_true", help="also print each kernel's GPU time from a profiler trace")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--trace", default=None, metavar="DIR",
@@ -119,21 +125,18 @@ def main(argv=None) -> int:
     dim = 128
     if dry:
         cases, dim, args.iters = [("gdn", 2, 80, 2), ("kda", 1, 70, 2)], 16, 1
-    configs = [dict(block_v=(32, 64), num_warps=(4, 4, 4), num_stages=(1, 2, 2))]
-    if args.sweep and not dry:
-        configs += [
-            dict(block_v=(bv, bo), num_warps=(w1, 4, 4), num_stages=(1, 3, 2))
-            for bv in (32, 64) for bo in (64, 128) for w1 in (4, 8) if (bv, bo, w1) != (32, 64, 4)
-        ]
+    configs = [{}]  # the dispatch (prefill_slots)
     if args.config:
         configs = []
         for text in args.config:
             bv, bo, w1, w2, w3, *rest = (int(x) for x in text.split(","))
-            configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3), num_stages=(1, 2, 2),
-                                fuse_output=bool(rest and rest[0]), products_warps=rest[1] if len(rest) > 1 else 4,
+            fuse = bool(rest and rest[0])
+            configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3),
+                                num_stages=(1, rest[3] if len(rest) > 3 else 2 if fuse else 4, 2),
+                                fuse_output=fuse, products_warps=rest[1] if len(rest) > 1 else 4,
                                 split_intra=bool(len(rest) > 2 and rest[2])))
     if dry:
-        configs = [dict(configs[0], interpret=True, block_v=(16, 16))]
+        configs = [dict(interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
     peak = None if dry else matmul_peak()
     rows = []
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
         pool0 = jnp.array(pool, copy=True)  # parity input; ``pool`` itself evolves through the timed calls
         o_ref, pool_ref = jax.jit(delta_rule_varlen_slots, static_argnames="max_len")(
             **x, state_pool=pool, max_len=length)
-        o, new_pool = delta_rule_prefill(**x, state_pool=jnp.array(pool, copy=True), **configs[0])
+        o, new_pool = prefill_fn(configs[0], length)(**x, state_pool=jnp.array(pool, copy=True))
         err = (rel(o, o_ref), rel(new_pool, pool_ref))
         print(f"  parity vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
         fla_s, err_fla, fla_kernel_us = None, None, None
@@ -180,10 +183,10 @@ def main(argv=None) -> int:
                     lambda: (run_fla(), torch.cuda.synchronize()), 3, os.path.join(args.trace, f"fla_{kind}_{batch}")))
         best, kernel_us = None, {}
         for cfg in configs:
-            seconds, pool = time_ours(x_sets, pool, args.iters, **cfg)
-            print(f"  {cfg}: {seconds * 1e3:.3f} ms", flush=True)
+            seconds, pool = time_ours(x_sets, pool, args.iters, prefill_fn(cfg, length))
+            print(f"  {cfg or 'dispatch'}: {seconds * 1e3:.3f} ms", flush=True)
             if args.trace:  # kernel GPU time of this configuration, free of host dispatch
-                call = jax.jit(functools.partial(delta_rule_prefill, **cfg))
+                call = jax.jit(prefill_fn(cfg, length))
                 jax.block_until_ready(call(**x, state_pool=pool0))
                 times = traced_kernel_times(lambda: jax.block_until_ready(call(**x, state_pool=pool0)), 3,
                                             os.path.join(args.trace, f"ours_{kind}_{batch}_{len(rows)}"),
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
                 best = (seconds, cfg)
         seconds, cfg = best
         if cfg is not configs[0]:  # the winner's parity too (configurations change the kernels, e.g. split_intra)
-            o_best, pool_best = delta_rule_prefill(**x, state_pool=jnp.array(pool0, copy=True), **cfg)
+            o_best, pool_best = prefill_fn(cfg, length)(**x, state_pool=jnp.array(pool0, copy=True))
             err = (rel(o_best, o_ref), rel(pool_best, pool_ref))
             print(f"  parity of the winner vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
         if args.breakdown:
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
         flops = tokens * heads * (6 * dim * dim + 2 * CHUNK * (3 * dim + 2 * dim))
         row = dict(kernel=f"{kind}_prefill", device=device, date=time.strftime("%Y-%m-%d"),
                    shape=f"B={batch} T={length} H={heads} K=V={dim}", ours_ms=round(seconds * 1e3, 3),
-                   config=str({k: v for k, v in cfg.items() if k != "interpret"}),
+                   config=str({k: v for k, v in cfg.items() if k != "interpret"} or "dispatch"),
                    err_vs_jnp=f"{err[0]:.1e}/{err[1]:.1e}")
         if fla_s is not None:
             row.update(fla_ms=round(fla_s * 1e3, 3), fla_events_ms=round(fla_events_s * 1e3, 3),

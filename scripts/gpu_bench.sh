@@ -14,12 +14,12 @@ step() {  # name seconds command...
 }
 # One process per prefill case: compiling ours and fla's for several cases in one process ran past 170 s on a
 # fresh machine. --trace prints the kernel GPU times of fla and of each of our configurations.
-# The second config of each case is the split intra kernel (not dispatched until it measures faster).
-step prefill_kda1 120 python3 scripts/bench_prefill.py --case kda1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_kda1.json"
-step prefill_gdn1 95 python3 scripts/bench_prefill.py --case gdn1 --iters 10 --config 32,64,4,4,4 --config 32,64,4,4,4,0,4,1 --trace "$out/trace" --json "$out/prefill_gdn1.json"
-step prefill_gdn8 95 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --config 64,64,4,4,4,1 --config 64,64,4,4,4,1,4,1 --trace "$out/trace" --json "$out/prefill_gdn8.json"
-step mamba_conv 90 python3 scripts/bench_mamba_conv.py --no-sweep --segments 8 32 --json "$out/mamba_conv.json"
+# Each case times the dispatched configuration; scripts/sweep_prefill.py times each kernel under others.
+step prefill_kda1 150 python3 scripts/bench_prefill.py --case kda1 --iters 10 --trace "$out/trace" --json "$out/prefill_kda1.json"
+step prefill_gdn1 90 python3 scripts/bench_prefill.py --case gdn1 --iters 10 --trace "$out/trace" --json "$out/prefill_gdn1.json"
+step prefill_gdn8 90 python3 scripts/bench_prefill.py --case gdn8 --iters 10 --trace "$out/trace" --json "$out/prefill_gdn8.json"
+step mamba_conv 100 python3 scripts/bench_mamba_conv.py --no-sweep --segments 8 32 --json "$out/mamba_conv.json"
 step decode 40 python3 scripts/sweep_decode.py --config 64,4,1,1,1 --json "$out/decode.json"
-step attention_decode 70 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
-step attention_prefill 70 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
+step attention_decode 55 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
+step attention_prefill 55 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
 rm -rf "$out"/trace*

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots
-from pallas_kernels.delta_rule_prefill import delta_rule_prefill, prefill_slots
+from pallas_kernels.delta_rule_prefill import FUSED_CONFIG, delta_rule_prefill, prefill_slots
 
 # Four sequences packed in 200 tokens: one crossing a chunk boundary, a single token in a fresh slot, one that
 # starts mid-chunk, one that ends at the buffer's end (its last window is clamped), and an empty padding row.
@@ -103,7 +103,8 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output, split_intr
     )
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        lowered = delta_rule_prefill.trace(*args, fuse_output=fuse_output, split_intra=split_intra).lower(
+        config = FUSED_CONFIG if fuse_output else {}  # as dispatched; else the defaults
+        lowered = delta_rule_prefill.trace(*args, **config, split_intra=split_intra).lower(
             lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.lower().count("triton") >= (2 if fuse_output else 3)  # the kernels
