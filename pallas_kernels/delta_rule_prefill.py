@@ -54,7 +54,7 @@ SUB = 16
 # KDA sub-blocks whose decay spans at most this many nats (in every channel) take the factored form of
 # ``_kda_products_kernel``, with factors within exp(+-20); a chunk with a stronger one, ``_kda_exact_kernel``.
 DIAG_SPAN_LIMIT = 40.0
-# The dispatched configuration for many (sequence, head) pairs: see ``prefill_slots``.
+# The dispatched configuration for many (sequence, head) pairs: see ``dispatch_config``.
 FUSED_CONFIG = dict(block_v=(128, 128), num_warps=(4, 8, 4), num_stages=(1, 2, 2), fuse_output=True)
 
 
@@ -667,13 +667,27 @@ def prefill_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, *
     # form hold too much at once (B=1 T=8192 H=16 on an H100: 1.10 ms against 1.31). GDN's one kernel is faster
     # (0.556 against 0.638 ms at B=1, 1.42 against 1.84 at B=8): the split re-reads its operands for little gain.
     split = g.ndim == 3
-    if starts.shape[0] * v.shape[1] >= 264 and v.dtype != jnp.float32:
-        # Enough (sequence, head) programs to fill 132 SMs twice: wide V-slabs re-read w and k fewer times, and
-        # the output comes straight from the register state (bf16, B=8 T=2048 H=32 on an H100, kernel GPU time:
-        # 390 µs with 128-wide slabs and 8 warps, 452 with 64 and 4; the separate state and output kernels took
-        # 403 + 70). With few sequences the sequential state kernel is the critical path: narrow slabs spread it
-        # over more SMs (B=1 T=8192 H=16: 126 µs at 16 wide with 4 pipeline stages, 202 at 32 wide with 2) and
-        # the chunk-parallel output kernel stays separate (68 µs at 128 wide, 88 at 64).
-        return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, **FUSED_CONFIG,
-                                  split_intra=split)
-    return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, split_intra=split)
+    config = dispatch_config(starts.shape[0] * v.shape[1], v.shape[-1], v.dtype)
+    return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, **config, split_intra=split)
+
+
+def dispatch_config(pairs: int, value_dim: int, dtype) -> dict:
+    """The state/output configuration for ``pairs`` (sequence, head) pairs (scripts/sweep_prefill.py, kernel GPU
+    times on an H100, bf16, 2026-11-22).
+
+    Many pairs (>= 128, about one per SM): the output comes straight from the register state in wide V-slabs,
+    which re-read w and k fewer times (B=8 T=2048 H=32: 390 µs at 128 wide with 8 warps, 452 at 64 with 4; the
+    separate state and output kernels took 403 + 70 at their best, 1465 + 260 with 16-wide slabs).
+    Few pairs: the sequential state kernel is the critical path, so its V-slabs narrow until about 128 programs
+    run (B=1 T=8192 H=16: 126 µs at 16 wide with 4 pipeline stages, 202 at 32 wide with 2), and the
+    chunk-parallel output kernel stays separate (68 µs at 128 wide, 88 at 64).
+    float32 (parity runs) keeps the narrower tiles validated there: fp32 tiles are twice the bytes, and the
+    wide, deep-pipelined ones would not fit in shared memory."""
+    if dtype == jnp.float32:
+        return dict(block_v=(32, 64), num_stages=(1, 2, 2))
+    if pairs >= 128:
+        return FUSED_CONFIG
+    slab = 16
+    while slab * 2 <= value_dim and pairs * value_dim // (slab * 2) >= 128:
+        slab *= 2
+    return dict(block_v=(slab, 128))

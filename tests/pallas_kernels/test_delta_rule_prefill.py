@@ -122,3 +122,18 @@ def test_kda_wide_keys_with_mild_and_strong_chunks(split_intra):
     o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
     o, pool = _run(x, block_v=(16, 32), split_intra=split_intra)
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+
+
+def test_dispatch_config_follows_the_number_of_sequence_head_pairs():
+    """Fused state+output for many (sequence, head) pairs (the B=8 H=32 benchmark has 256), narrow state slabs
+    that still give about 128 programs for few, and fp32 on the tiles it was validated with."""
+    from pallas_kernels.delta_rule_prefill import dispatch_config
+
+    bf16 = jnp.bfloat16
+    assert dispatch_config(8 * 32, 128, bf16) == FUSED_CONFIG
+    assert dispatch_config(16, 128, bf16) == dict(block_v=(16, 128))
+    assert dispatch_config(32, 128, bf16)["block_v"][0] == 32
+    for pairs in (1, 5, 16, 40, 100, 127):
+        config = dispatch_config(pairs, 64, bf16)
+        assert not config.get("fuse_output") and 16 <= config["block_v"][0] <= 64
+    assert not dispatch_config(8 * 32, 128, jnp.float32).get("fuse_output")
