@@ -126,7 +126,7 @@ def _norm_scale(load, ref, head, key_dim, index=None):
 
 
 def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, kk_ref, qk_ref, flag_ref, *, rep,
-                         precision, span_limit):
+                         precision, span_limit, slice_width):
     """KDA's decayed products for one 16-row sub-block r of a chunk, over (chunk, head, r):
     kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
     L2-normalized, for the sub-block's rows t. The per-channel decay cannot be factored over a whole chunk
@@ -141,28 +141,35 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, kk_ref,
     chunk, head, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_head = head // rep
     size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
-    bs = min(64, key_dim)
+    bs = min(slice_width, key_dim)
     t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
-    k_scale_rows = _norm_scale(load, k_ref, key_head, key_dim, rows)
-    q_scale_rows = _norm_scale(load, q_ref, key_head, key_dim, rows) * key_dim**-0.5
     before = (t < r * SUB)[:, None]
     reach = (t < (r + 1) * SUB)[:, None]  # columns this sub-block's rows see
     kk = jnp.zeros((SUB, size), F32)
     qk = jnp.zeros((SUB, size), F32)
     span = 0.0
+    k_sq, k_rows_sq, q_rows_sq = 0.0, 0.0, 0.0  # the L2 norms, from the slices the products load anyway
     for c0 in range(0, key_dim, bs):
         g = _f32(load(g_ref, head, c0, bs))
         g_rows = _f32(load(g_ref, head, c0, bs, rows))
+        k = _f32(load(k_ref, key_head, c0, bs))
+        k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
+        q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
+        k_sq += jnp.sum(k * k, axis=1)
+        k_rows_sq += jnp.sum(k_rows * k_rows, axis=1)
+        q_rows_sq += jnp.sum(q_rows * q_rows, axis=1)
         base = jnp.sum(jnp.where(before, g, 0.0), axis=0)  # G just before the sub-block
         total = jnp.sum(g_rows, axis=0)  # the sub-block's own decay, <= 0
         span = jnp.maximum(span, jnp.max(-total))
         mid = (base + 0.5 * total)[None, :]
         row_decay = jnp.exp(base[None, :] + jnp.cumsum(g_rows, axis=0) - mid)
-        col = _f32(load(k_ref, key_head, c0, bs)) * jnp.exp(jnp.where(reach, mid - jnp.cumsum(g, axis=0), -jnp.inf))
-        kk += _dot(_f32(load(k_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
-        qk += _dot(_f32(load(q_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
+        col = k * jnp.exp(jnp.where(reach, mid - jnp.cumsum(g, axis=0), -jnp.inf))
+        kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
+        qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
+    k_scale = jax.lax.rsqrt(k_sq + 1e-6)
+    k_scale_rows = jax.lax.rsqrt(k_rows_sq + 1e-6)
+    q_scale_rows = jax.lax.rsqrt(q_rows_sq + 1e-6) * key_dim**-0.5
     flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
     below = rows[:, None] - t[None, :]
     kk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
@@ -470,7 +477,7 @@ def _params(dtype, num_warps, num_stages):
 
 
 def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
-          products_warps=4, split=False, interpret=False):
+          products_warps=4, products_slice=64, split=False, interpret=False):
     """Kernel 1 over (chunk, head), reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk
     layout [H, num_chunks, C, .], and the chunk's total log decay. For KDA, the decayed products kk and qk come
     first from ``_kda_products_kernel`` (over sub-blocks) and, for chunks it flags, ``_kda_exact_kernel``.
@@ -517,7 +524,8 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         return w, u, qk, qg, kd, glast
     kk_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
     kk, qk, flag = pl.pallas_call(
-        functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit),
+        functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit,
+                          slice_width=products_slice),
         grid=(num_chunks, heads, CHUNK // SUB),
         out_shape=(kk_shape, qk_shape, sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
         compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1), interpret=interpret,
