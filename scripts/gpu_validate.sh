@@ -26,6 +26,6 @@ failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 for log in "$out"/test_llm_*.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
 for log in "$out"/parity_*.log; do
-  echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -ciE 'fail|error' "$log") failed/error lines"
+  echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
 done
 echo "runs failed: $failed"
