@@ -21,7 +21,8 @@ Three kernels, following the split that fla and FlashQLA found faster than one f
 
 KDA's per-channel decay cannot be factored as (k e^G)(k e^-G)^T over a whole chunk: e^-G overflows once the decay
 is strong (Apriel2's KDA gate has no lower bound). Its decayed products kk and qk come from
-``_kda_products_kernel``, one program per 16-token row sub-block, which takes the midpoint of the sub-block's decay
+``_kda_products_kernel``, one program per 16-token row sub-block (reading the chunk-local cumsum G that
+``_kda_cumsum_kernel`` writes once), which takes the midpoint of the sub-block's decay
 as reference point: columns of earlier sub-blocks get factors <= 1, its own columns factors within
 exp(+-span / 2), where span is the largest decay the sub-block covers in any channel. A chunk with span above
 ``DIAG_SPAN_LIMIT`` is flagged, and ``_kda_exact_kernel`` recomputes its kk and qk with every exponent <= 0. The
@@ -125,7 +126,20 @@ def _norm_scale(load, ref, head, key_dim, index=None):
     return jax.lax.rsqrt(sq + 1e-6)
 
 
-def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, kk_ref, qk_ref, flag_ref, *, rep,
+def _kda_cumsum_kernel(start_ref, lo_ref, hi_ref, g_ref, G_ref):
+    """KDA's chunk-local cumulative log decay G [C, K] per (chunk, head), in the chunk layout: computed once here
+    rather than in each of the products kernel's four sub-block programs and the key slices of the intra kernel
+    (a scan down the rows of a tile is costly in Triton). Rows outside the sequence load g = 0, so G stays flat
+    there."""
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    size, key_dim = G_ref.shape[2], G_ref.shape[3]
+    bs = min(64, key_dim)
+    _, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+    for c0 in range(0, key_dim, bs):
+        G_ref[head, chunk, :, pl.ds(c0, bs)] = jnp.cumsum(_f32(load(g_ref, head, c0, bs)), axis=0)
+
+
+def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, kk_ref, qk_ref, flag_ref, *, rep,
                          precision, span_limit, slice_width):
     """KDA's decayed products for one 16-row sub-block r of a chunk, over (chunk, head, r):
     kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
@@ -144,27 +158,28 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, kk_ref,
     bs = min(slice_width, key_dim)
     t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-    before = (t < r * SUB)[:, None]
     reach = (t < (r + 1) * SUB)[:, None]  # columns this sub-block's rows see
     kk = jnp.zeros((SUB, size), F32)
     qk = jnp.zeros((SUB, size), F32)
     span = 0.0
     k_sq, k_rows_sq, q_rows_sq = 0.0, 0.0, 0.0  # the L2 norms, from the slices the products load anyway
     for c0 in range(0, key_dim, bs):
-        g = _f32(load(g_ref, head, c0, bs))
-        g_rows = _f32(load(g_ref, head, c0, bs, rows))
+        cs = pl.ds(c0, bs)
+        G = G_ref[head, chunk, :, cs]
+        G_rows = G_ref[head, chunk, pl.ds(r * SUB, SUB), cs]
+        # G just before the sub-block (0 for the first) and at its last row
+        base = jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
+        end = G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs]
         k = _f32(load(k_ref, key_head, c0, bs))
         k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
         q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
         k_sq += jnp.sum(k * k, axis=1)
         k_rows_sq += jnp.sum(k_rows * k_rows, axis=1)
         q_rows_sq += jnp.sum(q_rows * q_rows, axis=1)
-        base = jnp.sum(jnp.where(before, g, 0.0), axis=0)  # G just before the sub-block
-        total = jnp.sum(g_rows, axis=0)  # the sub-block's own decay, <= 0
-        span = jnp.maximum(span, jnp.max(-total))
-        mid = (base + 0.5 * total)[None, :]
-        row_decay = jnp.exp(base[None, :] + jnp.cumsum(g_rows, axis=0) - mid)
-        col = k * jnp.exp(jnp.where(reach, mid - jnp.cumsum(g, axis=0), -jnp.inf))
+        span = jnp.maximum(span, jnp.max(base - end))  # the sub-block's own decay, >= 0
+        mid = 0.5 * (base + end)  # [1, bs]
+        row_decay = jnp.exp(G_rows - mid)
+        col = k * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
         kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
         qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
     k_scale = jax.lax.rsqrt(k_sq + 1e-6)
@@ -248,8 +263,8 @@ def _slice_writers(load, ids, t, x, beta, inputs, outputs, precision):
         k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
         q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
         cs = pl.ds(c0, bk)
-        if gdn_decay is None:
-            G = jnp.cumsum(_f32(load(g_ref, head, c0, bk)), axis=0)
+        if gdn_decay is None:  # KDA: g_ref holds G in the chunk layout (``_kda_cumsum_kernel``)
+            G = g_ref[head, chunk, :, cs]
             g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
             glast_ref[head, chunk, cs] = g_last
             decay, to_end = jnp.exp(G), jnp.exp(g_last[None, :] - G)
@@ -498,7 +513,11 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
     )
     g = g.astype(F32)
-    inputs = (*table[:3], q, k, v, g, beta)
+    if kda:  # the intra/apply kernels and the products read G, the chunk-local cumsum, in the chunk layout
+        G = pl.pallas_call(_kda_cumsum_kernel, grid=(num_chunks, heads),
+                           out_shape=sds((heads, num_chunks, CHUNK, key_dim), F32), compiler_params=params,
+                           interpret=interpret, name="delta_rule_kda_cumsum")(*table[:3], g)
+    inputs = (*table[:3], q, k, v, G if kda else g, beta)
     kind = "kda" if kda else "gdn"
 
     def intra_call(out_shape, *extra):
@@ -529,7 +548,7 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         grid=(num_chunks, heads, CHUNK // SUB),
         out_shape=(kk_shape, qk_shape, sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
         compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1), interpret=interpret,
-        name="delta_rule_kda_products")(*table[:3], q, k, g)
+        name="delta_rule_kda_products")(*table[:3], q, k, G)
     kk, qk = pl.pallas_call(
         functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
         grid=(num_chunks, heads), out_shape=(kk_shape, qk_shape), input_output_aliases={7: 0, 8: 1},
