@@ -21,8 +21,8 @@ Three kernels, following the split that fla and FlashQLA found faster than one f
 
 KDA's per-channel decay cannot be factored as (k e^G)(k e^-G)^T over a whole chunk: e^-G overflows once the decay
 is strong (Apriel2's KDA gate has no lower bound). Its decayed products kk and qk come from
-``_kda_products_kernel``, one program per 16-token row sub-block (reading the chunk-local cumsum G that
-``_kda_cumsum_kernel`` writes once), which takes the midpoint of the sub-block's decay
+``_kda_products_kernel``, one program per 16-token row sub-block (reading the chunk-local cumsum G and the
+q/k norms that ``_kda_prepare_kernel`` writes once), which takes the midpoint of the sub-block's decay
 as reference point: columns of earlier sub-blocks get factors <= 1, its own columns factors within
 exp(+-span / 2), where span is the largest decay the sub-block covers in any channel. A chunk with span above
 ``DIAG_SPAN_LIMIT`` is flagged, and ``_kda_exact_kernel`` recomputes its kk and qk with every exponent <= 0. The
@@ -126,21 +126,24 @@ def _norm_scale(load, ref, head, key_dim, index=None):
     return jax.lax.rsqrt(sq + 1e-6)
 
 
-def _kda_cumsum_kernel(start_ref, lo_ref, hi_ref, g_ref, G_ref):
-    """KDA's chunk-local cumulative log decay G [C, K] per (chunk, head), in the chunk layout: computed once here
-    rather than in each of the products kernel's four sub-block programs and the key slices of the intra kernel
-    (a scan down the rows of a tile is costly in Triton). Rows outside the sequence load g = 0, so G stays flat
-    there."""
+def _kda_prepare_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, G_ref, scales_ref, *, rep):
+    """Per (chunk, head), in the chunk layout: KDA's chunk-local cumulative log decay G [C, K] and the q/k L2-norm
+    row scales [2, C] (q's with K^-1/2). Computed once here rather than in each of the products kernel's four
+    sub-block programs and each key slice of the intra kernel (a scan down the rows of a tile is costly in
+    Triton: the products kernel went from 365 to 246 µs, H100). Rows outside the sequence load g = 0, so G stays
+    flat there."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     size, key_dim = G_ref.shape[2], G_ref.shape[3]
     bs = min(64, key_dim)
     _, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     for c0 in range(0, key_dim, bs):
         G_ref[head, chunk, :, pl.ds(c0, bs)] = jnp.cumsum(_f32(load(g_ref, head, c0, bs)), axis=0)
+    scales_ref[head, chunk, 0, :] = _norm_scale(load, q_ref, head // rep, key_dim) * key_dim**-0.5
+    scales_ref[head, chunk, 1, :] = _norm_scale(load, k_ref, head // rep, key_dim)
 
 
-def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, kk_ref, qk_ref, flag_ref, *, rep,
-                         precision, span_limit, slice_width):
+def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, kk_ref, qk_ref, flag_ref, *,
+                         rep, precision, span_limit, slice_width):
     """KDA's decayed products for one 16-row sub-block r of a chunk, over (chunk, head, r):
     kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
     L2-normalized, for the sub-block's rows t. The per-channel decay cannot be factored over a whole chunk
@@ -162,7 +165,6 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, kk_ref,
     kk = jnp.zeros((SUB, size), F32)
     qk = jnp.zeros((SUB, size), F32)
     span = 0.0
-    k_sq, k_rows_sq, q_rows_sq = 0.0, 0.0, 0.0  # the L2 norms, from the slices the products load anyway
     for c0 in range(0, key_dim, bs):
         cs = pl.ds(c0, bs)
         G = G_ref[head, chunk, :, cs]
@@ -173,18 +175,15 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, kk_ref,
         k = _f32(load(k_ref, key_head, c0, bs))
         k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
         q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
-        k_sq += jnp.sum(k * k, axis=1)
-        k_rows_sq += jnp.sum(k_rows * k_rows, axis=1)
-        q_rows_sq += jnp.sum(q_rows * q_rows, axis=1)
         span = jnp.maximum(span, jnp.max(base - end))  # the sub-block's own decay, >= 0
         mid = 0.5 * (base + end)  # [1, bs]
         row_decay = jnp.exp(G_rows - mid)
         col = k * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
         kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
         qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
-    k_scale = jax.lax.rsqrt(k_sq + 1e-6)
-    k_scale_rows = jax.lax.rsqrt(k_rows_sq + 1e-6)
-    q_scale_rows = jax.lax.rsqrt(q_rows_sq + 1e-6) * key_dim**-0.5
+    k_scale = scales_ref[head, chunk, 1, :]
+    k_scale_rows = scales_ref[head, chunk, 1, pl.ds(r * SUB, SUB)]
+    q_scale_rows = scales_ref[head, chunk, 0, pl.ds(r * SUB, SUB)]
     flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
     below = rows[:, None] - t[None, :]
     kk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
@@ -263,7 +262,7 @@ def _slice_writers(load, ids, t, x, beta, inputs, outputs, precision):
         k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
         q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
         cs = pl.ds(c0, bk)
-        if gdn_decay is None:  # KDA: g_ref holds G in the chunk layout (``_kda_cumsum_kernel``)
+        if gdn_decay is None:  # KDA: g_ref holds G in the chunk layout (``_kda_prepare_kernel``)
             G = g_ref[head, chunk, :, cs]
             g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
             glast_ref[head, chunk, cs] = g_last
@@ -296,8 +295,8 @@ def _intra_kernel(*refs, rep, kda, precision, split):
     several times, from cache) rather than held whole, and q/k are normalized by row scales applied to the
     products; whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
     start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
-    kk_ref = refs[8] if kda else None
-    outs = refs[9:] if kda else refs[8:]
+    scales_ref, kk_ref = refs[8:10] if kda else (None, None)  # KDA: q/k row scales, decayed k-k products
+    outs = refs[10:] if kda else refs[8:]
     if split:  # outputs: x (GDN: also qk, G_last)
         x_ref, qk_ref, glast_ref = outs if not kda else (outs[0], None, None)
     elif kda:
@@ -312,8 +311,11 @@ def _intra_kernel(*refs, rep, kda, precision, split):
     t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
-    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    if kda:
+        q_scale, k_scale = scales_ref[head, chunk, 0, :], scales_ref[head, chunk, 1, :]
+    else:
+        q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+        k_scale = _norm_scale(load, k_ref, key_head, key_dim)
     beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
 
     gdn_decay = None
@@ -350,11 +352,11 @@ def _apply_kernel(*refs, rep, kda, precision):
     k*e^(G_last - G) (slices below K / 64) or of u (the rest), from the inverse ``_intra_kernel`` wrote. Fewer
     registers and K / 64 + V / 64 times the programs of the whole intra kernel, at the cost of one [C, C] fp32
     round trip through memory per (chunk, head) and, in key slices, recomputed row norms."""
-    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref = refs[:9]
-    if kda:
-        w_ref, u_ref, qg_ref, kd_ref, glast_ref = refs[9:]
+    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
+    if kda:  # KDA also reads the q/k row scales of ``_kda_prepare_kernel``
+        scales_ref, x_ref, (w_ref, u_ref, qg_ref, kd_ref, glast_ref) = refs[8], refs[9], refs[10:]
     else:
-        (w_ref, u_ref, qg_ref, kd_ref), glast_ref = refs[9:], None
+        x_ref, (w_ref, u_ref, qg_ref, kd_ref), glast_ref = refs[8], refs[9:], None
     chunk, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_head = head // rep
     key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
@@ -368,8 +370,11 @@ def _apply_kernel(*refs, rep, kda, precision):
 
     @pl.when(part < key_parts)
     def _():
-        q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
-        k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+        if kda:
+            q_scale, k_scale = scales_ref[head, chunk, 0, :], scales_ref[head, chunk, 1, :]
+        else:
+            q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+            k_scale = _norm_scale(load, k_ref, key_head, key_dim)
         key_slice(part * bk, bk, q_scale, k_scale, None if kda else _gdn_decay(g_ref, start, t, ok, head))
 
     pl.when(part >= key_parts)(lambda: value_slice((part - key_parts) * bv, bv))
@@ -513,11 +518,14 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
     )
     g = g.astype(F32)
-    if kda:  # the intra/apply kernels and the products read G, the chunk-local cumsum, in the chunk layout
-        G = pl.pallas_call(_kda_cumsum_kernel, grid=(num_chunks, heads),
-                           out_shape=sds((heads, num_chunks, CHUNK, key_dim), F32), compiler_params=params,
-                           interpret=interpret, name="delta_rule_kda_cumsum")(*table[:3], g)
-    inputs = (*table[:3], q, k, v, G if kda else g, beta)
+    if kda:  # the products and intra/apply kernels read G and the q/k row scales in the chunk layout
+        G, scales = pl.pallas_call(
+            functools.partial(_kda_prepare_kernel, rep=rep), grid=(num_chunks, heads),
+            out_shape=(sds((heads, num_chunks, CHUNK, key_dim), F32), sds((heads, num_chunks, 2, CHUNK), F32)),
+            compiler_params=params, interpret=interpret, name="delta_rule_kda_prepare")(*table[:3], q, k, g)
+        inputs = (*table[:3], q, k, v, G, beta, scales)
+    else:
+        inputs = (*table[:3], q, k, v, g, beta)
     kind = "kda" if kda else "gdn"
 
     def intra_call(out_shape, *extra):
@@ -548,7 +556,7 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         grid=(num_chunks, heads, CHUNK // SUB),
         out_shape=(kk_shape, qk_shape, sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
         compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1), interpret=interpret,
-        name="delta_rule_kda_products")(*table[:3], q, k, G)
+        name="delta_rule_kda_products")(*table[:3], q, k, G, scales)
     kk, qk = pl.pallas_call(
         functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
         grid=(num_chunks, heads), out_shape=(kk_shape, qk_shape), input_output_aliases={7: 0, 8: 1},
