@@ -455,7 +455,7 @@ def _state_output_kernel(
 
 
 def _output_kernel(start_ref, lo_ref, hi_ref, qg_ref, h_ref, qk_ref, vnew_ref, o_in_ref, o_ref, *, bv, precision):
-    del o_in_ref  # aliased with o_ref (zeros): tokens outside every sequence stay zero
+    del o_in_ref  # aliased with o_ref (``blank_output``: tokens outside every sequence are zero)
     chunk, head, slab = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(slab * bv, bv)
     mm = qg_ref.dtype
@@ -627,6 +627,34 @@ def output(table, qg, h, qk, v_new, o_flat, *, block_v=128, num_warps=4, num_sta
     )(*table[:3], qg, h, qk, v_new, o_flat)
 
 
+def _blank_kernel(covered_ref, o_ref):
+    """Zeros in the rows of one 64-token block, one head, that no sequence covers; the other rows are left as
+    allocated, for the output kernels to write."""
+    block, head = pl.program_id(0), pl.program_id(1)
+    num_tokens, value_dim = o_ref.shape[0], o_ref.shape[2]
+    t = block * CHUNK + jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    shape = (CHUNK, value_dim)
+    rows = jnp.broadcast_to(t[:, None], shape)
+    cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    inside = t < num_tokens
+    uncovered = inside & (pltriton.load(covered_ref.at[jnp.where(inside, t, 0)], mask=inside, other=1) == 0)
+    pltriton.store(o_ref.at[rows, head, cols], jnp.zeros(shape, o_ref.dtype),
+                   mask=jnp.broadcast_to(uncovered[:, None], shape))
+
+
+def blank_output(starts, lengths, shape, dtype, *, interpret=False):
+    """The output buffer before the output kernels write it: zeros only in the token rows outside every sequence
+    (padding), the rest left unwritten, instead of a zero fill of the whole buffer (134 MB at B=8 T=2048 H=32,
+    about 50 µs of HBM time; fla allocates its output uninitialized)."""
+    num_tokens = shape[0]
+    edges = jnp.zeros((num_tokens + 1,), jnp.int32).at[starts].add(1).at[starts + lengths].add(-1)
+    covered = (jnp.cumsum(edges)[:num_tokens] > 0).astype(jnp.int32)
+    return pl.pallas_call(
+        _blank_kernel, grid=(pl.cdiv(num_tokens, CHUNK), shape[1]), out_shape=jax.ShapeDtypeStruct(shape, dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="delta_rule_blank_output")(covered)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
@@ -679,14 +707,15 @@ def delta_rule_prefill(
     w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
                                     num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
                                     split=split_intra, interpret=interpret)
+    blank = blank_output(starts.astype(jnp.int32), lengths.astype(jnp.int32), v.shape, v.dtype, interpret=interpret)
     if fuse_output:
-        return state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, jnp.zeros(v.shape, v.dtype),
+        return state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, blank,
                             block_v=block_v[0], num_warps=num_warps[1], num_stages=num_stages[1],
                             interpret=interpret)
     h, v_new, state_pool = state(table[3], table[4], slots, fresh, w, u, kd, glast, state_pool,
                                  block_v=block_v[0], num_warps=num_warps[1], num_stages=num_stages[1],
                                  interpret=interpret)
-    o = output(table, qg, h, qk, v_new, jnp.zeros(v.shape, v.dtype), block_v=block_v[1], num_warps=num_warps[2],
+    o = output(table, qg, h, qk, v_new, blank, block_v=block_v[1], num_warps=num_warps[2],
                num_stages=num_stages[2], interpret=interpret)
     return o, state_pool
 
