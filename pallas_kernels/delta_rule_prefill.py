@@ -29,6 +29,10 @@ exp(+-span / 2), where span is the largest decay the sub-block covers in any cha
 intra kernel then reads kk. Keeping the products in their own kernels keeps their registers and code out of the
 intra kernel (Nsight Compute showed the single kernel at 255 registers and stalled on instruction fetch).
 
+Before the kernels above, KDA runs ``_kda_prepare_kernel`` (chunk-local cumsum G and q/k norm scales, once per
+chunk and head); the dispatch runs KDA's intra stage split in two (``split_intra``: the inverse, then column
+slices). The output buffer comes from ``blank_output``, which zeroes only the rows outside every sequence.
+
 Packing: sequences are cut into chunks that start at the sequence start; the intra kernel reads each chunk's
 C-token window of the flat buffer through the chunk table (rows outside the sequence load as zeros: zero k, beta
 and g are identity updates) and writes the chunk layout [H, num_chunks, C, ...]. The chunk table bound
