@@ -75,7 +75,7 @@ def prefill_fn(cfg: dict, max_len: int):
 
 
 def time_ours(x_sets, pool, iters, fn):
-    """Device time per call: ``iters`` calls issued back to back, waited for once (as fla's CUDA events).
+    """Time per call: ``iters`` calls issued back to back, waited for once (as ``time_torch_back_to_back`` for fla).
     The output is carried with the pool: a result the loop dropped would let XLA remove the kernel making it."""
     out = jnp.zeros(x_sets[0]["v"].shape, x_sets[0]["v"].dtype)
     def step(x, c):  # ``after``: each call starts once the previous one has finished, as in fla's timing
@@ -83,15 +83,6 @@ def time_ours(x_sets, pool, iters, fn):
 
     seconds, (_, pool) = time_looped(step, x_sets, (out, pool), iters, repeats=3)
     return seconds, pool
-
-
-def breakdown(x, pool, dry):
-    """GPU ms of each prefill kernel (default configuration) from a profiler trace of 3 calls (empty on CPU)."""
-    from scripts.profile_prefill import stage_runner
-
-    run = stage_runner(x, pool, interpret=dry)
-    run()
-    return {name: round(us / 1e3, 3) for name, (_, us) in traced_kernel_times(run, 3, match="delta_rule").items()}
 
 
 def print_kernel_times(times: dict, calls: int = 3) -> float:
@@ -112,10 +103,10 @@ def main(argv=None) -> int:
                     help="a configuration to time instead of the dispatch, 'bv_state,bv_out,warps_intra,warps_state,"
                          "warps_out[,fuse_output 0/1[,products_warps[,split_intra 0/1[,stages_state]]]]' (repeatable; "
                          "scripts/sweep_prefill.py times each kernel under many)")
-    ap.add_argument("--breakdown", action="store_true", help="also print each kernel's GPU time from a profiler trace")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="also record 3 fla calls with jax.profiler (CUPTI sees torch's kernels) and print the events")
+                    help="also record 3 calls of fla and of each configuration with jax.profiler into DIR (CUPTI sees "
+                         "torch's kernels too) and print every kernel's GPU time and their sum per call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dry = args.dry_run
@@ -199,8 +190,6 @@ def main(argv=None) -> int:
             o_best, pool_best = prefill_fn(cfg, length)(**x, state_pool=jnp.array(pool0, copy=True))
             err = (rel(o_best, o_ref), rel(pool_best, pool_ref))
             print(f"  parity of the winner vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)
-        if args.breakdown:
-            print("  breakdown:", breakdown(x, pool, dry), flush=True)
         tokens = batch * length
         flops = tokens * heads * (6 * dim * dim + 2 * CHUNK * (3 * dim + 2 * dim))
         row = dict(kernel=f"{kind}_prefill", device=device, date=time.strftime("%Y-%m-%d"),

@@ -19,21 +19,20 @@ import numpy as np  # noqa: E402
 
 from apriel2_jax.benchmarking import traced_kernel_times  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
-from scripts.bench_prefill import make_inputs  # noqa: E402
+from scripts.bench_prefill import make_inputs, print_kernel_times  # noqa: E402
 
 CASES = {"gdn1": (False, 1, 8192, 16), "gdn8": (False, 8, 2048, 32), "kda1": (True, 1, 8192, 16)}
 
 
-def stage_runner(x, pool, interpret: bool = False):
-    """A call of the three prefill stages (intra, state, output; default configuration) on inputs ``x`` of
-    ``bench_prefill.make_inputs``, each stage waited for, the pool copied (not consumed)."""
-    interp = dict(interpret=True) if interpret else {}
+def stage_runner(x, pool):
+    """A call of the three prefill stages (intra as dispatched, i.e. split for KDA; state and output at their
+    defaults) on inputs ``x`` of ``bench_prefill.make_inputs``, each stage waited for, the pool copied."""
     num_tokens = x["q"].shape[0]
     num_chunks = num_tokens // kernels.CHUNK + x["starts"].shape[0]
     table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
-    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, **interp))
-    state = jax.jit(lambda *a: kernels.state(*a, **interp))
-    output = jax.jit(lambda *a: kernels.output(table, *a, **interp))
+    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, split=x["g"].ndim == 3))
+    state = jax.jit(lambda *a: kernels.state(*a))
+    output = jax.jit(lambda *a: kernels.output(table, *a))
 
     def run():
         w, u, qk, qg, kd, glast = jax.block_until_ready(intra(x["q"], x["k"], x["v"], x["g"], x["beta"]))
@@ -58,9 +57,7 @@ def main(argv=None) -> int:
     run = stage_runner(x, pool)
     run()
     if args.trace:
-        times = traced_kernel_times(run, args.runs - 1, args.trace, match="delta_rule")
-        for name, (count, median_us) in times.items():
-            print(f"{name}: {count} calls, median {median_us:.1f} us")
+        print_kernel_times(traced_kernel_times(run, args.runs - 1, args.trace, match="delta_rule"), args.runs - 1)
     else:
         for _ in range(args.runs - 1):
             run()

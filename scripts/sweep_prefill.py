@@ -27,10 +27,9 @@ from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from scripts.bench_prefill import make_inputs  # noqa: E402
 from scripts.profile_prefill import CASES  # noqa: E402
 
-# (num_warps, products_warps, products_slice, split, num_stages) of the intra stage
-INTRA = {True: [(4, 4, 64, True, 1), (4, 4, 32, True, 1), (4, 8, 32, True, 1), (4, 2, 32, True, 1),
-                (4, 8, 64, True, 1), (4, 4, 64, False, 1)],
-         False: [(4, 4, 64, False, 1), (4, 4, 64, True, 1), (8, 4, 64, False, 1)]}
+# (num_warps, products_warps, split, num_stages) of the intra stage
+INTRA = {True: [(4, 4, True, 1), (4, 8, True, 1), (4, 2, True, 1), (4, 4, False, 1)],
+         False: [(4, 4, False, 1), (4, 4, True, 1), (8, 4, False, 1)]}
 # (block_v, num_warps, num_stages)
 STATE = [(16, 4, 4), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3), (32, 8, 3)]
 STATE_OUTPUT = [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (32, 4, 3)]
@@ -67,12 +66,11 @@ def main(argv=None) -> int:
         zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
         print(f"[{case}] kernel GPU time per call", flush=True)
         if "intra" in stages:
-            for warps, products_warps, products_slice, split, num_stages in INTRA[kda]:
-                fn = jax.jit(lambda *a, nw=warps, p=products_warps, ps=products_slice, s=split, n=num_stages:
-                             kernels.intra(table, *a, chunks, num_warps=nw, products_warps=p, products_slice=ps,
-                                           split=s, num_stages=n))
-                measure(f"{case} intra warps={warps} products_warps={products_warps} products_slice={products_slice} "
-                        f"split={split} stages={num_stages}", lambda fn=fn: fn(*ops))
+            for warps, products_warps, split, num_stages in INTRA[kda]:
+                fn = jax.jit(lambda *a, nw=warps, p=products_warps, s=split, n=num_stages: kernels.intra(
+                    table, *a, chunks, num_warps=nw, products_warps=p, split=s, num_stages=n))
+                measure(f"{case} intra warps={warps} products_warps={products_warps} split={split} "
+                        f"stages={num_stages}", lambda fn=fn: fn(*ops))
         w, u, qk, qg, kd, glast = jax.jit(lambda *a: kernels.intra(table, *a, chunks, split=kda))(*ops)
         if "state" in stages:
             for bv, warps, num_stages in STATE:

@@ -141,7 +141,8 @@ def test_dispatch_config_follows_the_number_of_sequence_head_pairs():
 
 def test_blank_output_zeroes_exactly_the_rows_outside_every_sequence():
     """The output kernels write only the sequences' rows; ``blank_output`` must zero the others (padding, gaps,
-    the tail), and leave the sequences' rows to the output kernels."""
+    the tail). Interpret mode fills fresh outputs with NaN, so a row it missed shows. (That the sequences' rows are
+    all written afterwards is test_packed_sequences_match_the_oracle_fp32's, whose layout has a gap.)"""
     from pallas_kernels.delta_rule_prefill import blank_output
 
     starts, lengths = jnp.array([3, 70, 150, 160], jnp.int32), jnp.array([50, 64, 0, 30], jnp.int32)
@@ -149,9 +150,4 @@ def test_blank_output_zeroes_exactly_the_rows_outside_every_sequence():
     covered = np.zeros(200, bool)
     for s, n in zip(np.asarray(starts), np.asarray(lengths)):
         covered[s:s + n] = True
-    assert covered.sum() == 144 and (~covered).sum() == 56
     np.testing.assert_array_equal(blank[~covered], 0.0)
-    x = _inputs(5, kda=False)  # the STARTS/LENGTHS layout leaves rows outside every sequence
-    o, _ = _run(x)
-    o_ref, _ = delta_rule_varlen_slots(**x, max_len=200)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
