@@ -98,6 +98,24 @@ def _unit_lower_inverse(a, precision):
     return x
 
 
+def _block_unit_lower_inverse(a, precision):
+    """(I + a)^-1 for a strictly lower a given as SUB x SUB blocks ``a[i, j]`` (j <= i), returned the same way.
+    The diagonal blocks by the ladder above (three steps at 16x16), then the blocks below them from
+    X_ij = -X_ii sum_{j <= m < i} a_im X_mj: sixteen 16x16x16 products whose longest dependent chain is six,
+    against the 64x64 ladder's ten dependent 64x64x64 ones (fla's solve_tril also merges 16x16 blocks). Only
+    inverse blocks are multiplied, never powers of a. KDA B=1 T=8192 H=16 on an H100: 48 µs at 2 warps, against
+    114 for the 64x64 ladder and 85 with the diagonal blocks by row-by-row forward substitution."""
+    n = max(i for i, _ in a) + 1
+    x = {(i, i): _unit_lower_inverse(a[i, i], precision) for i in range(n)}
+    for i in range(1, n):
+        for j in range(i - 1, -1, -1):
+            acc = _dot(a[i, j], x[j, j], precision)
+            for m in range(j + 1, i):
+                acc += _dot(a[i, m], x[m, j], precision)
+            x[i, j] = -_dot(x[i, i], acc, precision)
+    return x
+
+
 def _window(start_ref, lo_ref, hi_ref, chunk, size):
     """The chunk's window of the flat buffer, and a loader for it. Rows outside [lo, hi) belong to another sequence
     (or none) and load as zeros: zero k, beta and g make them identity updates, wherever they sit in the chunk.
@@ -130,20 +148,38 @@ def _norm_scale(load, ref, head, key_dim, index=None):
     return jax.lax.rsqrt(sq + 1e-6)
 
 
-def _kda_prepare_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, G_ref, scales_ref, *, rep):
-    """Per (chunk, head), in the chunk layout: KDA's chunk-local cumulative log decay G [C, K] and the q/k L2-norm
-    row scales [2, C] (q's with K^-1/2). Computed once here rather than in each of the products kernel's four
-    sub-block programs and each key slice of the intra kernel (a scan down the rows of a tile is costly in
-    Triton: the products kernel went from 365 to 235 µs on an H100, 246 with the cumsum alone). Rows outside the sequence load g = 0, so G stays
-    flat there."""
+def _kda_prepare_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, beta_ref,
+                        G_ref, scales_ref, qg_ref, kd_ref, kb_ref, glast_ref, *, rep):
+    """Per (chunk, head), everything of KDA's intra stage that is elementwise in the chunk layout: the
+    chunk-local cumulative log decay G [C, K] and the q/k L2-norm row scales [2, C] (q's with K^-1/2), which the
+    products kernel reads; the chunk's total decay G_last [K]; and the decayed operands q e^G, k e^(G_last - G)
+    (the state and output kernels') and beta k e^G (w's, ``_kda_apply_kernel``). Computed once here rather than
+    by the products kernel's four sub-block programs or the apply kernel's column slices: a scan down the rows of
+    a tile is costly in Triton, and the apply kernel computing the decayed operands itself held 255 registers
+    (12.5% occupancy, Nsight Compute, H100). Rows outside the sequence load g = 0, so G stays flat there; their
+    k and beta load as zero."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     size, key_dim = G_ref.shape[2], G_ref.shape[3]
+    key_head = head // rep
     bs = min(64, key_dim)
-    _, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+    t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    scales_ref[head, chunk, 0, :] = q_scale
+    scales_ref[head, chunk, 1, :] = k_scale
+    beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
+    out = qg_ref.dtype
     for c0 in range(0, key_dim, bs):
-        G_ref[head, chunk, :, pl.ds(c0, bs)] = jnp.cumsum(_f32(load(g_ref, head, c0, bs)), axis=0)
-    scales_ref[head, chunk, 0, :] = _norm_scale(load, q_ref, head // rep, key_dim) * key_dim**-0.5
-    scales_ref[head, chunk, 1, :] = _norm_scale(load, k_ref, head // rep, key_dim)
+        cs = pl.ds(c0, bs)
+        G = jnp.cumsum(_f32(load(g_ref, head, c0, bs)), axis=0)
+        G_ref[head, chunk, :, cs] = G
+        g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
+        glast_ref[head, chunk, cs] = g_last
+        decay = jnp.exp(G)
+        k = _f32(load(k_ref, key_head, c0, bs)) * k_scale[:, None]
+        qg_ref[head, chunk, :, cs] = (_f32(load(q_ref, key_head, c0, bs)) * q_scale[:, None] * decay).astype(out)
+        kd_ref[head, chunk, :, cs] = (k * jnp.exp(g_last[None, :] - G)).astype(out)
+        kb_ref[head, chunk, :, cs] = (k * decay * beta[:, None]).astype(out)
 
 
 def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, kk_ref, qk_ref, flag_ref, *,
@@ -159,7 +195,7 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
     A program per sub-block keeps its row tiles at 16 rows, loaded straight from the buffer, and its registers
     few: one kernel for the whole chunk held 255 registers (12.5% occupancy) and multiplied 64-row tiles of which
     only 16 rows were non-zero (Nsight Compute, H100)."""
-    chunk, head, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r, chunk, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # sub-blocks of a chunk run together
     key_head = head // rep
     size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
     bs = min(64, key_dim)  # 32-wide slices measured no faster (370 vs 366 µs, H100)
@@ -253,60 +289,59 @@ def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, 
         qk_ref[head, chunk, :, :] = jnp.where(rows >= cols, qk, 0.0).astype(qk_ref.dtype)
 
 
-def _slice_writers(load, ids, t, x, beta, inputs, outputs, precision):
-    """Writers of one column slice of w, q*e^G, k*e^(G_last - G) (and KDA's G_last), and of one slice of u, given
-    the inverse ``x``. The key-slice writer also takes the q/k row scales and ``gdn_decay``, GDN's (G, G_last) per
-    token (None for KDA, whose decay is per channel, taken per slice): only key slices need them."""
-    q_ref, k_ref, v_ref, g_ref = inputs
-    w_ref, u_ref, qg_ref, kd_ref, glast_ref = outputs
-    chunk, head, key_head = ids
-    size, out = t.shape[0], w_ref.dtype
-
-    def key_slice(c0, bk, q_scale, k_scale, gdn_decay):
-        k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
-        q = _f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None]
-        cs = pl.ds(c0, bk)
-        if gdn_decay is None:  # KDA: g_ref holds G in the chunk layout (``_kda_prepare_kernel``)
-            G = g_ref[head, chunk, :, cs]
-            g_last = jnp.sum(jnp.where((t == size - 1)[:, None], G, 0.0), axis=0)
-            glast_ref[head, chunk, cs] = g_last
-            decay, to_end = jnp.exp(G), jnp.exp(g_last[None, :] - G)
-        else:
-            G, g_last = gdn_decay
-            decay, to_end = jnp.exp(G)[:, None], jnp.exp(g_last - G)[:, None]
-        w_ref[head, chunk, :, cs] = _dot(x, k * decay * beta[:, None], precision).astype(out)
-        qg_ref[head, chunk, :, cs] = (q * decay).astype(out)
-        kd_ref[head, chunk, :, cs] = (k * to_end).astype(out)
-
-    def value_slice(c0, bv):
-        v = _f32(load(v_ref, head, c0, bv))
-        u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v * beta[:, None], precision).astype(out)
-
-    return key_slice, value_slice
+def _kda_inverse_kernel(start_ref, lo_ref, hi_ref, beta_ref, kk_ref, x_ref, *, precision):
+    """KDA's (I + beta kk)^-1 over (chunk, head), from the decayed k-k products in memory, read and written as
+    16x16 blocks (``_block_unit_lower_inverse``), the blocks above the diagonal written as zeros."""
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    start, lo, hi = start_ref[chunk], lo_ref[chunk], hi_ref[chunk]
+    n = CHUNK // SUB
+    a = {}
+    for i in range(n):
+        t = i * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+        beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=(t >= lo) & (t < hi), other=0))
+        for j in range(i + 1):
+            a[i, j] = kk_ref[head, chunk, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] * beta[:, None]
+    x = _block_unit_lower_inverse(a, precision)
+    for i in range(n):
+        for j in range(n):
+            block = x[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+            x_ref[head, chunk, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block
 
 
-def _gdn_decay(g_ref, start, t, ok, head):
-    G = jnp.cumsum(_f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
-    return G, jnp.sum(jnp.where(t == t.shape[0] - 1, G, 0.0))
+def _kda_apply_kernel(start_ref, lo_ref, hi_ref, v_ref, beta_ref, kb_ref, x_ref, w_ref, u_ref, *, precision):
+    """KDA's w = X (beta k e^G) and u = X (beta v), over (chunk, head, 64-wide column slice): slices below
+    K / 64 are w's (beta k e^G from ``_kda_prepare_kernel``), the rest u's. One product per program keeps its
+    registers few and its programs many."""
+    part, chunk, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # a chunk's slices run together
+    key_dim, value_dim = kb_ref.shape[-1], v_ref.shape[-1]
+    bk, bv = min(64, key_dim), min(64, value_dim)
+    key_parts = key_dim // bk
+    t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, CHUNK)
+    x = x_ref[head, chunk, :, :]
+
+    @pl.when(part < key_parts)
+    def _():
+        cs = pl.ds(part * bk, bk)
+        w_ref[head, chunk, :, cs] = _dot(x, _f32(kb_ref[head, chunk, :, cs]), precision).astype(w_ref.dtype)
+
+    @pl.when(part >= key_parts)
+    def _():
+        c0 = (part - key_parts) * bv
+        beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
+        v = _f32(load(v_ref, head, c0, bv)) * beta[:, None]
+        u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v, precision).astype(u_ref.dtype)
 
 
-def _intra_kernel(*refs, rep, kda, precision, split):
-    """Over (chunk, head): (I + beta A)^-1 and what the other kernels need, w, u, the decayed q and k, the
-    chunk's total decay, and for GDN the masked q-k matrix (KDA's kk and qk come from ``_kda_products_kernel``).
-    With ``split`` it stops at the inverse, written out for ``_apply_kernel``.
+def _gdn_intra_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                      w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, *, rep, precision):
+    """GDN's intra stage over (chunk, head): the masked q-k matrix, (I + beta A)^-1, w, u, the decayed q and k
+    and the chunk's total decay, in one kernel (split in two, an inverse and a column-slice kernel, it measured
+    slower: 307 against 203 µs at B=1 T=8192 H=16, 1223 against 783 at B=8 T=2048 H=32, H100: the second
+    kernel re-reads the operands for little gain).
 
-    Register budget drives the layout: q, k, g and v are read in column slices of at most 64 (each slice
-    several times, from cache) rather than held whole, and q/k are normalized by row scales applied to the
-    products; whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
-    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
-    scales_ref, kk_ref = refs[8:10] if kda else (None, None)  # KDA: q/k row scales, decayed k-k products
-    outs = refs[10:] if kda else refs[8:]
-    if split:  # outputs: x (GDN: also qk, G_last)
-        x_ref, qk_ref, glast_ref = outs if not kda else (outs[0], None, None)
-    elif kda:
-        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), qk_ref = outs, None
-    else:
-        w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref = outs
+    Register budget drives the layout: q, k and v are read in column slices of at most 64 (each slice several
+    times, from cache) rather than held whole, and q/k are normalized by row scales applied to the products;
+    whole [64, 128] fp32 tiles spilled to local memory at 255 registers (Nsight Compute, H100)."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     key_head = head // rep
     size = CHUNK
@@ -315,73 +350,34 @@ def _intra_kernel(*refs, rep, kda, precision, split):
     t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-    if kda:
-        q_scale, k_scale = scales_ref[head, chunk, 0, :], scales_ref[head, chunk, 1, :]
-    else:
-        q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
-        k_scale = _norm_scale(load, k_ref, key_head, key_dim)
+    q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
+    k_scale = _norm_scale(load, k_ref, key_head, key_dim)
     beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
-
-    gdn_decay = None
-    if kda:
-        kk = kk_ref[head, chunk, :, :]
-    else:
-        gdn_decay = G, g_last = _gdn_decay(g_ref, start, t, ok, head)
-        kk = jnp.zeros((size, size), F32)
-        qk = jnp.zeros((size, size), F32)
-        for c0 in range(0, key_dim, bk):  # raw operands (bf16 products exact), normalized by the row scales
-            k = load(k_ref, key_head, c0, bk)
-            q = load(q_ref, key_head, c0, bk)
-            kk += _dot(k, k, precision, trans_b=True)
-            qk += _dot(q, k, precision, trans_b=True)
-        pair = jnp.exp(jnp.where(rows >= cols, G[:, None] - G[None, :], -jnp.inf)) * k_scale[None, :]
-        kk = jnp.where(rows > cols, kk * pair * k_scale[:, None], 0.0)
-        qk_ref[head, chunk, :, :] = (qk * pair * q_scale[:, None]).astype(qk_ref.dtype)
-        glast_ref[head, chunk] = g_last
+    G = jnp.cumsum(_f32(pltriton.load(g_ref.at[start + t, head], mask=ok, other=0)))
+    g_last = jnp.sum(jnp.where(t == size - 1, G, 0.0))
+    kk = jnp.zeros((size, size), F32)
+    qk = jnp.zeros((size, size), F32)
+    for c0 in range(0, key_dim, bk):  # raw operands (bf16 products exact), normalized by the row scales
+        k = load(k_ref, key_head, c0, bk)
+        q = load(q_ref, key_head, c0, bk)
+        kk += _dot(k, k, precision, trans_b=True)
+        qk += _dot(q, k, precision, trans_b=True)
+    pair = jnp.exp(jnp.where(rows >= cols, G[:, None] - G[None, :], -jnp.inf)) * k_scale[None, :]
+    kk = jnp.where(rows > cols, kk * pair * k_scale[:, None], 0.0)
+    qk_ref[head, chunk, :, :] = (qk * pair * q_scale[:, None]).astype(qk_ref.dtype)
+    glast_ref[head, chunk] = g_last
     x = _unit_lower_inverse(kk * beta[:, None], precision)
-    if split:
-        x_ref[head, chunk, :, :] = x
-        return
-    key_slice, value_slice = _slice_writers(
-        load, (chunk, head, key_head), t, x, beta, (q_ref, k_ref, v_ref, g_ref),
-        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
+    out = w_ref.dtype
+    decay, to_end = jnp.exp(G)[:, None], jnp.exp(g_last - G)[:, None]
     for c0 in range(0, key_dim, bk):
-        key_slice(c0, bk, q_scale, k_scale, gdn_decay)
+        cs = pl.ds(c0, bk)
+        k = _f32(load(k_ref, key_head, c0, bk)) * k_scale[:, None]
+        w_ref[head, chunk, :, cs] = _dot(x, k * decay * beta[:, None], precision).astype(out)
+        qg_ref[head, chunk, :, cs] = (_f32(load(q_ref, key_head, c0, bk)) * q_scale[:, None] * decay).astype(out)
+        kd_ref[head, chunk, :, cs] = (k * to_end).astype(out)
     for c0 in range(0, value_dim, bv):
-        value_slice(c0, bv)
-
-
-def _apply_kernel(*refs, rep, kda, precision):
-    """The split intra kernel's second half, over (chunk, head, column slice): one 64-wide slice of w, q*e^G and
-    k*e^(G_last - G) (slices below K / 64) or of u (the rest), from the inverse ``_intra_kernel`` wrote. Fewer
-    registers and K / 64 + V / 64 times the programs of the whole intra kernel, at the cost of one [C, C] fp32
-    round trip through memory per (chunk, head) and, for GDN's key slices, recomputed row norms (KDA reads them)."""
-    start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:8]
-    if kda:  # KDA also reads the q/k row scales of ``_kda_prepare_kernel``
-        scales_ref, x_ref, (w_ref, u_ref, qg_ref, kd_ref, glast_ref) = refs[8], refs[9], refs[10:]
-    else:
-        x_ref, (w_ref, u_ref, qg_ref, kd_ref), glast_ref = refs[8], refs[9:], None
-    chunk, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    key_head = head // rep
-    key_dim, value_dim = q_ref.shape[-1], v_ref.shape[-1]
-    bk, bv = min(64, key_dim), min(64, value_dim)
-    key_parts = key_dim // bk
-    t, ok, start, load = _window(start_ref, lo_ref, hi_ref, chunk, CHUNK)
-    beta = _f32(pltriton.load(beta_ref.at[start + t, head], mask=ok, other=0))
-    key_slice, value_slice = _slice_writers(
-        load, (chunk, head, key_head), t, x_ref[head, chunk, :, :], beta, (q_ref, k_ref, v_ref, g_ref),
-        (w_ref, u_ref, qg_ref, kd_ref, glast_ref), precision)
-
-    @pl.when(part < key_parts)
-    def _():
-        if kda:
-            q_scale, k_scale = scales_ref[head, chunk, 0, :], scales_ref[head, chunk, 1, :]
-        else:
-            q_scale = _norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5
-            k_scale = _norm_scale(load, k_ref, key_head, key_dim)
-        key_slice(part * bk, bk, q_scale, k_scale, None if kda else _gdn_decay(g_ref, start, t, ok, head))
-
-    pl.when(part >= key_parts)(lambda: value_slice((part - key_parts) * bv, bv))
+        v = _f32(load(v_ref, head, c0, bv))
+        u_ref[head, chunk, :, pl.ds(c0, bv)] = _dot(x, v * beta[:, None], precision).astype(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,74 +497,54 @@ def _params(dtype, num_warps, num_stages):
 
 
 def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
-          products_warps=4, split=False, interpret=False):
-    """Kernel 1 over (chunk, head), reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk
-    layout [H, num_chunks, C, .], and the chunk's total log decay. For KDA, the decayed products kk and qk come
-    first from ``_kda_products_kernel`` (over sub-blocks) and, for chunks it flags, ``_kda_exact_kernel``.
-    ``split`` runs it as two kernels: the inverse, then w/u/decayed q, k per column slice (``_apply_kernel``)."""
+          products_warps=4, inverse_warps=2, interpret=False):
+    """The intra-chunk stage, reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk layout
+    [H, num_chunks, C, .], and the chunk's total log decay. GDN: one kernel over (chunk, head). KDA: the prepare
+    kernel, the decayed products kk and qk (``_kda_products_kernel`` over sub-blocks and, for chunks it flags,
+    ``_kda_exact_kernel``), the inverse, then w and u per column slice (``_kda_apply_kernel``). ``num_warps`` and
+    ``num_stages`` apply to the GDN kernel and KDA's prepare and apply kernels."""
     heads, value_dim = v.shape[1:]
     key_heads, key_dim = q.shape[1:]
     rep = heads // key_heads
-    kda = g.ndim == 3
     mm = F32 if v.dtype == F32 else jnp.bfloat16
     precision, params = _params(v.dtype, num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
-    qk_shape = sds((heads, num_chunks, CHUNK, CHUNK), mm)
-    outs = (
-        sds((heads, num_chunks, CHUNK, key_dim), mm),
-        sds((heads, num_chunks, CHUNK, value_dim), mm),
-        sds((heads, num_chunks, CHUNK, key_dim), mm),
-        sds((heads, num_chunks, CHUNK, key_dim), mm),
-        sds((heads, num_chunks, key_dim) if kda else (heads, num_chunks), F32),
-    )
+    per_key = sds((heads, num_chunks, CHUNK, key_dim), mm)
+    w_shape, u_shape = per_key, sds((heads, num_chunks, CHUNK, value_dim), mm)
+    square = lambda dtype: sds((heads, num_chunks, CHUNK, CHUNK), dtype)  # noqa: E731
+    call = functools.partial(pl.pallas_call, interpret=interpret)
     g = g.astype(F32)
-    if kda:  # the products and intra/apply kernels read G and the q/k row scales in the chunk layout
-        G, scales = pl.pallas_call(
-            functools.partial(_kda_prepare_kernel, rep=rep), grid=(num_chunks, heads),
-            out_shape=(sds((heads, num_chunks, CHUNK, key_dim), F32), sds((heads, num_chunks, 2, CHUNK), F32)),
-            compiler_params=params, interpret=interpret, name="delta_rule_kda_prepare")(*table[:3], q, k, g)
-        inputs = (*table[:3], q, k, v, G, beta, scales)
-    else:
-        inputs = (*table[:3], q, k, v, g, beta)
-    kind = "kda" if kda else "gdn"
-
-    def intra_call(out_shape, *extra):
-        kernel = functools.partial(_intra_kernel, rep=rep, kda=kda, precision=precision, split=split)
-        return pl.pallas_call(kernel, grid=(num_chunks, heads), out_shape=out_shape, compiler_params=params,
-                              interpret=interpret, name=f"delta_rule_intra_{kind}" + ("_inverse" if split else ""),
-                              )(*inputs, *extra)
-
-    def apply_call(x, out_shape):
-        parts = key_dim // min(64, key_dim) + value_dim // min(64, value_dim)
-        return pl.pallas_call(
-            functools.partial(_apply_kernel, rep=rep, kda=kda, precision=precision), grid=(num_chunks, heads, parts),
-            out_shape=out_shape, compiler_params=params, interpret=interpret, name=f"delta_rule_intra_{kind}_apply",
-        )(*inputs, x)
-
-    x_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
-    if not kda:
-        if split:
-            x, qk, glast = intra_call((x_shape, qk_shape, outs[4]))
-            w, u, qg, kd = apply_call(x, outs[:4])
-            return w, u, qk, qg, kd, glast
-        w, u, qk, qg, kd, glast = intra_call((*outs[:2], qk_shape, *outs[2:]))
+    if g.ndim == 2:
+        w, u, qk, qg, kd, glast = call(
+            functools.partial(_gdn_intra_kernel, rep=rep, precision=precision), grid=(num_chunks, heads),
+            out_shape=(w_shape, u_shape, square(mm), per_key, per_key, sds((heads, num_chunks), F32)),
+            compiler_params=params, name="delta_rule_intra_gdn")(*table[:3], q, k, v, g, beta)
         return w, u, qk, qg, kd, glast
-    kk_shape = sds((heads, num_chunks, CHUNK, CHUNK), F32)
-    kk, qk, flag = pl.pallas_call(
+    G, scales, qg, kd, kb, glast = call(
+        functools.partial(_kda_prepare_kernel, rep=rep), grid=(num_chunks, heads),
+        out_shape=(sds((heads, num_chunks, CHUNK, key_dim), F32), sds((heads, num_chunks, 2, CHUNK), F32),
+                   per_key, per_key, per_key, sds((heads, num_chunks, key_dim), F32)),
+        compiler_params=params, name="delta_rule_kda_prepare")(*table[:3], q, k, g, beta)
+    kk, qk, flag = call(
         functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit),
-        grid=(num_chunks, heads, CHUNK // SUB),
-        out_shape=(kk_shape, qk_shape, sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
-        compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1), interpret=interpret,
+        grid=(CHUNK // SUB, num_chunks, heads),
+        out_shape=(square(F32), square(mm), sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
+        compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1),
         name="delta_rule_kda_products")(*table[:3], q, k, G, scales)
-    kk, qk = pl.pallas_call(
+    kk, qk = call(
         functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
-        grid=(num_chunks, heads), out_shape=(kk_shape, qk_shape), input_output_aliases={7: 0, 8: 1},
-        compiler_params=params, interpret=interpret, name="delta_rule_kda_exact")(*table[:3], q, k, g, flag, kk, qk)
-    if split:
-        x = intra_call(x_shape, kk)
-        w, u, qg, kd, glast = apply_call(x, outs)
-    else:
-        w, u, qg, kd, glast = intra_call(outs, kk)
+        grid=(num_chunks, heads), out_shape=(square(F32), square(mm)), input_output_aliases={7: 0, 8: 1},
+        compiler_params=params, name="delta_rule_kda_exact")(*table[:3], q, k, g, flag, kk, qk)
+    x = call(
+        functools.partial(_kda_inverse_kernel, precision=precision),
+        grid=(num_chunks, heads), out_shape=square(F32),
+        compiler_params=pltriton.CompilerParams(num_warps=inverse_warps, num_stages=1),
+        name="delta_rule_kda_inverse")(*table[:3], beta, kk)
+    parts = key_dim // min(64, key_dim) + value_dim // min(64, value_dim)
+    w, u = call(
+        functools.partial(_kda_apply_kernel, precision=precision), grid=(parts, num_chunks, heads),
+        out_shape=(w_shape, u_shape), compiler_params=params,
+        name="delta_rule_kda_apply")(*table[:3], v, beta, kb, x)
     return w, u, qk, qg, kd, glast
 
 
@@ -662,7 +638,7 @@ def blank_output(starts, lengths, shape, dtype, *, interpret=False):
 @functools.partial(
     jax.jit,
     static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
-                     "products_warps", "split_intra", "interpret"),
+                     "products_warps", "interpret"),
     donate_argnames=("state_pool",),
 )
 def delta_rule_prefill(
@@ -684,15 +660,13 @@ def delta_rule_prefill(
     fuse_output: bool = False,
     diag_span_limit: float = DIAG_SPAN_LIMIT,
     products_warps: int = 4,
-    split_intra: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
     ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA chunks whose
     sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form);
-    ``products_warps`` is the warp count of KDA's products kernel; ``split_intra`` runs the intra kernel as two
-    (the inverse, then the column slices of w, u and the decayed q, k in parallel)."""
+    ``products_warps`` is the warp count of KDA's products kernel."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
@@ -703,14 +677,13 @@ def delta_rule_prefill(
         o, state_pool = delta_rule_prefill(
             pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
             block_v=block_v, num_warps=num_warps, num_stages=num_stages, fuse_output=fuse_output,
-            diag_span_limit=diag_span_limit, products_warps=products_warps, split_intra=split_intra,
-            interpret=interpret)
+            diag_span_limit=diag_span_limit, products_warps=products_warps, interpret=interpret)
         return o[:num_tokens], state_pool
     num_chunks = num_tokens // CHUNK + starts.shape[0]
     table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
     w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
                                     num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
-                                    split=split_intra, interpret=interpret)
+                                    interpret=interpret)
     blank = blank_output(starts.astype(jnp.int32), lengths.astype(jnp.int32), v.shape, v.dtype, interpret=interpret)
     if fuse_output:
         return state_output(table, slots, fresh, w, u, kd, glast, qg, qk, state_pool, blank,
@@ -731,12 +704,8 @@ def prefill_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, *
     if not supported(q, v):
         return delta_rule_varlen_slots(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, max_len=max_len)
     lengths = jnp.minimum(lengths, max_len)  # as the oracle, which sees at most max_len tokens per sequence
-    # KDA's intra stage runs as two kernels (inverse, then column slices): its per-channel decay makes the one-kernel
-    # form hold too much at once (B=1 T=8192 H=16 on an H100: 1.10 ms against 1.31). GDN's one kernel is faster
-    # (0.556 against 0.638 ms at B=1, 1.42 against 1.84 at B=8): the split re-reads its operands for little gain.
-    split = g.ndim == 3
     config = dispatch_config(starts.shape[0] * v.shape[1], v.shape[-1], v.dtype)
-    return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, **config, split_intra=split)
+    return delta_rule_prefill(q, k, v, g, beta, state_pool, starts, lengths, slots, fresh, **config)
 
 
 def dispatch_config(pairs: int, value_dim: int, dtype) -> dict:

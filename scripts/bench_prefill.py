@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                     help="run only these cases (default: all)")
     ap.add_argument("--config", action="append", default=None,
                     help="a configuration to time instead of the dispatch, 'bv_state,bv_out,warps_intra,warps_state,"
-                         "warps_out[,fuse_output 0/1[,products_warps[,split_intra 0/1[,stages_state]]]]' (repeatable; "
+                         "warps_out[,fuse_output 0/1[,products_warps[,stages_state]]]' (repeatable; "
                          "scripts/sweep_prefill.py times each kernel under many)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     ap.add_argument("--trace", default=None, metavar="DIR",
@@ -123,9 +123,8 @@ def main(argv=None) -> int:
             bv, bo, w1, w2, w3, *rest = (int(x) for x in text.split(","))
             fuse = bool(rest and rest[0])
             configs.append(dict(block_v=(bv, bo), num_warps=(w1, w2, w3),
-                                num_stages=(1, rest[3] if len(rest) > 3 else 2 if fuse else 4, 2),
-                                fuse_output=fuse, products_warps=rest[1] if len(rest) > 1 else 4,
-                                split_intra=bool(len(rest) > 2 and rest[2])))
+                                num_stages=(1, rest[2] if len(rest) > 2 else 2 if fuse else 4, 2),
+                                fuse_output=fuse, products_warps=rest[1] if len(rest) > 1 else 4))
     if dry:
         configs = [dict(interpret=True, block_v=(16, 16))]
     device = jax.devices()[0].device_kind
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
             if best is None or seconds < best[0]:
                 best = (seconds, cfg)
         seconds, cfg = best
-        if cfg is not configs[0]:  # the winner's parity too (configurations change the kernels, e.g. split_intra)
+        if cfg is not configs[0]:  # the winner's parity too (configurations change the kernels' tiles)
             o_best, pool_best = prefill_fn(cfg, length)(**x, state_pool=jnp.array(pool0, copy=True))
             err = (rel(o_best, o_ref), rel(pool_best, pool_ref))
             print(f"  parity of the winner vs jnp: out {err[0]:.1e} state {err[1]:.1e}", flush=True)

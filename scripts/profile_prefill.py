@@ -25,12 +25,12 @@ CASES = {"gdn1": (False, 1, 8192, 16), "gdn8": (False, 8, 2048, 32), "kda1": (Tr
 
 
 def stage_runner(x, pool):
-    """A call of the three prefill stages (intra as dispatched, i.e. split for KDA; state and output at their
-    defaults) on inputs ``x`` of ``bench_prefill.make_inputs``, each stage waited for, the pool copied."""
+    """A call of the three prefill stages (intra as dispatched; state and output at their defaults) on inputs
+    ``x`` of ``bench_prefill.make_inputs``, each stage waited for, the pool copied."""
     num_tokens = x["q"].shape[0]
     num_chunks = num_tokens // kernels.CHUNK + x["starts"].shape[0]
     table = jax.jit(kernels.chunk_table, static_argnums=(2, 3))(x["starts"], x["lengths"], num_tokens, num_chunks)
-    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks, split=x["g"].ndim == 3))
+    intra = jax.jit(lambda *a: kernels.intra(table, *a, num_chunks))
     state = jax.jit(lambda *a: kernels.state(*a))
     output = jax.jit(lambda *a: kernels.output(table, *a))
 

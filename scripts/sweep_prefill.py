@@ -4,7 +4,7 @@ shapes: the sweep behind the dispatch of ``pallas_kernels.delta_rule_prefill.pre
 
     python scripts/sweep_prefill.py [--case kda1 --case gdn8 ...] [--stage intra --stage state ...]
 
-Stages: intra (KDA: products, exact, inverse, apply; GDN: one or two kernels), state (sequential state kernel),
+Stages: intra (KDA: prepare, products, exact, inverse, apply; GDN: one kernel), state (sequential state kernel),
 state_output (the fused form, B=8 only), output (the chunk-parallel output kernel, B=1 only). A configuration
 that does not compile (e.g. shared memory over the limit) is reported and skipped.
 """
@@ -27,9 +27,10 @@ from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from scripts.bench_prefill import make_inputs  # noqa: E402
 from scripts.profile_prefill import CASES  # noqa: E402
 
-# (num_warps, products_warps, split, num_stages) of the intra stage
-INTRA = {True: [(4, 4, True, 1), (4, 8, True, 1), (4, 2, True, 1), (4, 4, False, 1)],
-         False: [(4, 4, False, 1), (4, 4, True, 1), (8, 4, False, 1)]}
+# keyword arguments of ``intra`` (warp counts of its kernels, KDA's form of the inverse's diagonal blocks)
+INTRA = {True: [{}, dict(inverse_warps=1), dict(inverse_warps=4), dict(products_warps=2), dict(products_warps=8),
+                dict(num_warps=8), dict(num_warps=2)],
+         False: [{}, dict(num_warps=8)]}
 # (block_v, num_warps, num_stages)
 STATE = [(16, 4, 4), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3), (32, 8, 3)]
 STATE_OUTPUT = [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (32, 4, 3)]
@@ -66,12 +67,11 @@ def main(argv=None) -> int:
         zeros = jnp.zeros(x["v"].shape, x["v"].dtype)
         print(f"[{case}] kernel GPU time per call", flush=True)
         if "intra" in stages:
-            for warps, products_warps, split, num_stages in INTRA[kda]:
-                fn = jax.jit(lambda *a, nw=warps, p=products_warps, s=split, n=num_stages: kernels.intra(
-                    table, *a, chunks, num_warps=nw, products_warps=p, split=s, num_stages=n))
-                measure(f"{case} intra warps={warps} products_warps={products_warps} split={split} "
-                        f"stages={num_stages}", lambda fn=fn: fn(*ops))
-        w, u, qk, qg, kd, glast = jax.jit(lambda *a: kernels.intra(table, *a, chunks, split=kda))(*ops)
+            for config in INTRA[kda]:
+                fn = jax.jit(lambda *a, c=config: kernels.intra(table, *a, chunks, **c))
+                label = " ".join(f"{key}={value}" for key, value in config.items())
+                measure(f"{case} intra {label}", lambda fn=fn: fn(*ops))
+        w, u, qk, qg, kd, glast = jax.jit(lambda *a: kernels.intra(table, *a, chunks))(*ops)
         if "state" in stages:
             for bv, warps, num_stages in STATE:
                 fn = jax.jit(lambda *a, b=bv, nw=warps, n=num_stages: kernels.state(

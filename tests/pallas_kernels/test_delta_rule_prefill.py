@@ -42,13 +42,11 @@ def _run(x, **kw):
     return delta_rule_prefill(**dict(x, state_pool=jnp.array(x["state_pool"], copy=True)), interpret=True, **kw)
 
 
-@pytest.mark.parametrize("kda, fuse_output, split_intra",
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
-                          (True, False, True)])
-def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output, split_intra):
+@pytest.mark.parametrize("kda, fuse_output", [(False, False), (True, False), (False, True), (True, True)])
+def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output):
     x = _inputs(0, kda, decay=20.0 if kda else 3.0)  # KDA: strong per-channel decay, no lower bound
     o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
-    o, pool = _run(x, block_v=(16, 32), fuse_output=fuse_output, split_intra=split_intra)
+    o, pool = _run(x, block_v=(16, 32), fuse_output=fuse_output)
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
     assert not np.any(np.asarray(o)[146:150])  # the gap between sequences stays zero
     np.testing.assert_array_equal(np.asarray(pool)[5], np.asarray(x["state_pool"])[5])  # untouched slot
@@ -88,9 +86,8 @@ def test_unsupported_shapes_fall_back_to_the_oracle():
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
 
 
-@pytest.mark.parametrize("kda, fuse_output, split_intra",
-                         [(False, False, False), (True, False, False), (False, True, False), (True, False, True)])
-def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output, split_intra):
+@pytest.mark.parametrize("kda, fuse_output", [(False, False), (True, False), (False, True)])
+def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output):
     """8 sequences in 8192 tokens, 32 value heads (GDN: 8 key heads), K = V = 128, bf16 operands."""
     S = jax.ShapeDtypeStruct
     tokens, heads, key_heads, dim, rows = 8192, 32, 32 if kda else 8, 128, 8
@@ -104,15 +101,14 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output, split_intr
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         config = FUSED_CONFIG if fuse_output else {}  # as dispatched; else the defaults
-        lowered = delta_rule_prefill.trace(*args, **config, split_intra=split_intra).lower(
+        lowered = delta_rule_prefill.trace(*args, **config).lower(
             lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.lower().count("triton") >= (2 if fuse_output else 3)  # the kernels
     assert "tf.aliasing_output" in text or "input_output_alias" in text  # the pool is updated in place
 
 
-@pytest.mark.parametrize("split_intra", [False, True])
-def test_kda_wide_keys_with_mild_and_strong_chunks(split_intra):
+def test_kda_wide_keys_with_mild_and_strong_chunks():
     """K = 128 (two column slices in every kernel) and decay mild before token 100, strong after, so one call
     mixes chunks of the factored form with flagged chunks redone by the exact kernel."""
     x = _inputs(7, True, key_dim=128, value_dim=64, decay=0.5)
@@ -120,7 +116,7 @@ def test_kda_wide_keys_with_mild_and_strong_chunks(split_intra):
     g[100:] = -np.random.default_rng(3).uniform(0.0, 20.0, g[100:].shape)
     x["g"] = jnp.asarray(g)
     o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
-    o, pool = _run(x, block_v=(16, 32), split_intra=split_intra)
+    o, pool = _run(x, block_v=(16, 32))
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
 
 
@@ -151,3 +147,21 @@ def test_blank_output_zeroes_exactly_the_rows_outside_every_sequence():
     for s, n in zip(np.asarray(starts), np.asarray(lengths)):
         covered[s:s + n] = True
     np.testing.assert_array_equal(blank[~covered], 0.0)
+
+
+def test_block_inverse_of_a_unit_lower_matrix():
+    """KDA's inverse from 16x16 blocks against float64 on a 64x64 matrix whose
+    entries are as large as beta k.k can make them (|entry| <= 1) and whose inverse has entries far from 1."""
+    from pallas_kernels.delta_rule_prefill import SUB, _block_unit_lower_inverse
+
+    rng = np.random.default_rng(5)
+    a = np.tril(rng.uniform(-1.0, 1.0, (64, 64)), -1) * 0.6
+    blocks = {(i, j): jnp.asarray(a[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB], jnp.float32)
+              for i in range(4) for j in range(i + 1)}
+    x = _block_unit_lower_inverse(blocks, jax.lax.Precision.HIGHEST)
+    expected = np.linalg.inv(np.eye(64) + a)
+    got = np.zeros((64, 64))
+    for (i, j), block in x.items():
+        got[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB] = np.asarray(block)
+    assert np.abs(expected).max() > 3.0  # not a near-identity case
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
