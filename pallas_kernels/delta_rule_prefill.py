@@ -103,8 +103,9 @@ def _block_unit_lower_inverse(a, precision):
     The diagonal blocks by the ladder above (three steps at 16x16), then the blocks below them from
     X_ij = -X_ii sum_{j <= m < i} a_im X_mj: sixteen 16x16x16 products whose longest dependent chain is six,
     against the 64x64 ladder's ten dependent 64x64x64 ones (fla's solve_tril also merges 16x16 blocks). Only
-    inverse blocks are multiplied, never powers of a. KDA B=1 T=8192 H=16 on an H100: 48 µs at 2 warps, against
-    114 for the 64x64 ladder and 85 with the diagonal blocks by row-by-row forward substitution."""
+    inverse blocks are multiplied, never powers of a. KDA B=1 T=8192 H=16 on an H100: 34 µs at 1 warp (49 at 2, 84
+    at 4), against 114 for the 64x64 ladder, and 85 at 2 warps with the diagonal blocks by row-by-row forward
+    substitution."""
     n = max(i for i, _ in a) + 1
     x = {(i, i): _unit_lower_inverse(a[i, i], precision) for i in range(n)}
     for i in range(1, n):
@@ -199,36 +200,49 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
     key_head = head // rep
     size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
     bs = min(64, key_dim)  # 32-wide slices measured no faster (370 vs 366 µs, H100)
-    t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
+    _, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
     rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-    reach = (t < (r + 1) * SUB)[:, None]  # columns this sub-block's rows see
-    kk = jnp.zeros((SUB, size), F32)
-    qk = jnp.zeros((SUB, size), F32)
-    span = 0.0
-    for c0 in range(0, key_dim, bs):
-        cs = pl.ds(c0, bs)
-        G = G_ref[head, chunk, :, cs]
-        G_rows = G_ref[head, chunk, pl.ds(r * SUB, SUB), cs]
-        # G just before the sub-block (0 for the first) and at its last row
-        base = jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
-        end = G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs]
-        k = _f32(load(k_ref, key_head, c0, bs))
-        k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
-        q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
-        span = jnp.maximum(span, jnp.max(base - end))  # the sub-block's own decay, >= 0
-        mid = 0.5 * (base + end)  # [1, bs]
-        row_decay = jnp.exp(G_rows - mid)
-        col = k * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
-        kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
-        qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
-    k_scale = scales_ref[head, chunk, 1, :]
-    k_scale_rows = scales_ref[head, chunk, 1, pl.ds(r * SUB, SUB)]
-    q_scale_rows = scales_ref[head, chunk, 0, pl.ds(r * SUB, SUB)]
-    flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
-    below = rows[:, None] - t[None, :]
-    kk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
-    qk_ref[head, chunk, pl.ds(r * SUB, SUB), :] = jnp.where(
-        below >= 0, qk * (q_scale_rows[:, None] * k_scale[None, :]), 0.0).astype(qk_ref.dtype)
+    block_rows = pl.ds(r * SUB, SUB)
+
+    def products(width):  # over the columns [0, width), which cover every column rows r*SUB.. see
+        t = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        reach = (t < (r + 1) * SUB)[:, None]
+        kk = jnp.zeros((SUB, width), F32)
+        qk = jnp.zeros((SUB, width), F32)
+        span = 0.0
+        for c0 in range(0, key_dim, bs):
+            cs = pl.ds(c0, bs)
+            G = G_ref[head, chunk, pl.ds(0, width), cs]
+            G_rows = G_ref[head, chunk, block_rows, cs]
+            # G just before the sub-block (0 for the first) and at its last row
+            base = jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
+            end = G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs]
+            k = _f32(load(k_ref, key_head, c0, bs, t))
+            k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
+            q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
+            span = jnp.maximum(span, jnp.max(base - end))  # the sub-block's own decay, >= 0
+            mid = 0.5 * (base + end)  # [1, bs]
+            row_decay = jnp.exp(G_rows - mid)
+            col = k * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
+            kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
+            qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
+        k_scale = scales_ref[head, chunk, 1, pl.ds(0, width)]
+        k_scale_rows = scales_ref[head, chunk, 1, block_rows]
+        q_scale_rows = scales_ref[head, chunk, 0, block_rows]
+        flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
+        below = rows[:, None] - t[None, :]
+        # kk's columns from ``width`` on are never read (the inverse reads the blocks on and below the diagonal)
+        kk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
+            below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
+        qk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
+            below >= 0, qk * (q_scale_rows[:, None] * k_scale[None, :]), 0.0).astype(qk_ref.dtype)
+        if width < size:
+            qk_ref[head, chunk, block_rows, pl.ds(width, size - width)] = jnp.zeros((SUB, size - width), qk_ref.dtype)
+
+    # The first half of the sub-blocks sees only the first half of the columns: half the work for them.
+    half = size // 2
+    pl.when(r < half // SUB)(lambda: products(half))
+    pl.when(r >= half // SUB)(lambda: products(size))
 
 
 def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, kk_in_ref, qk_in_ref, kk_ref, qk_ref,
@@ -335,9 +349,9 @@ def _kda_apply_kernel(start_ref, lo_ref, hi_ref, v_ref, beta_ref, kb_ref, x_ref,
 def _gdn_intra_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                       w_ref, u_ref, qk_ref, qg_ref, kd_ref, glast_ref, *, rep, precision):
     """GDN's intra stage over (chunk, head): the masked q-k matrix, (I + beta A)^-1, w, u, the decayed q and k
-    and the chunk's total decay, in one kernel (split in two, an inverse and a column-slice kernel, it measured
-    slower: 307 against 203 µs at B=1 T=8192 H=16, 1223 against 783 at B=8 T=2048 H=32, H100: the second
-    kernel re-reads the operands for little gain).
+    and the chunk's total decay, in one kernel. Measured slower on an H100 (B=1 T=8192 H=16): split in two, an
+    inverse and a column-slice kernel (307 against 203 µs; the second kernel re-reads the operands), and in
+    16-row blocks throughout like KDA's inverse (291 against 206 µs at 4 warps, 335 at 2).
 
     Register budget drives the layout: q, k and v are read in column slices of at most 64 (each slice several
     times, from cache) rather than held whole, and q/k are normalized by row scales applied to the products;
@@ -497,7 +511,7 @@ def _params(dtype, num_warps, num_stages):
 
 
 def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
-          products_warps=4, inverse_warps=2, interpret=False):
+          products_warps=4, inverse_warps=1, interpret=False):
     """The intra-chunk stage, reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk layout
     [H, num_chunks, C, .], and the chunk's total log decay. GDN: one kernel over (chunk, head). KDA: the prepare
     kernel, the decayed products kk and qk (``_kda_products_kernel`` over sub-blocks and, for chunks it flags,

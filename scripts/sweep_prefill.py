@@ -28,8 +28,7 @@ from scripts.bench_prefill import make_inputs  # noqa: E402
 from scripts.profile_prefill import CASES  # noqa: E402
 
 # keyword arguments of ``intra`` (warp counts of its kernels, KDA's form of the inverse's diagonal blocks)
-INTRA = {True: [{}, dict(inverse_warps=1), dict(inverse_warps=4), dict(products_warps=2), dict(products_warps=8),
-                dict(num_warps=8), dict(num_warps=2)],
+INTRA = {True: [{}, dict(inverse_warps=2), dict(products_warps=8), dict(num_warps=8)],
          False: [{}, dict(num_warps=8)]}
 # (block_v, num_warps, num_stages)
 STATE = [(16, 4, 4), (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3), (32, 8, 3)]
