@@ -240,7 +240,8 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
         q_scale_rows = scales_ref[head, chunk, 0, block_rows]
         flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
         below = rows[:, None] - t[None, :]
-        # kk's columns from ``width`` on are never read (the inverse reads the blocks on and below the diagonal)
+        # kk's columns from ``width`` on stay unwritten: its only reader, the inverse kernel, reads the 16x16 blocks
+        # on and below the diagonal. A reader of whole kk tiles would need them zeroed here first.
         kk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
             below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
         qk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
@@ -332,7 +333,7 @@ def _kda_inverse_kernel(start_ref, lo_ref, hi_ref, beta_ref, kk_ref, x_ref, *, p
 
 
 def _kda_apply_kernel(start_ref, lo_ref, hi_ref, v_ref, beta_ref, kb_ref, x_ref, w_ref, u_ref, *, precision):
-    """KDA's w = X (beta k e^G) and u = X (beta v), over (chunk, head, 64-wide column slice): slices below
+    """KDA's w = X (beta k e^G) and u = X (beta v), over (64-wide column slice, chunk, head): slices below
     K / 64 are w's (beta k e^G from ``_kda_prepare_kernel``), the rest u's. One product per program keeps its
     registers few and its programs many; the slices fastest in the grid read a chunk's X from L2 (112 -> 96 µs
     at KDA B=1 T=8192 H=16, H100)."""

@@ -120,6 +120,15 @@ def test_kda_wide_keys_with_mild_and_strong_chunks():
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
 
 
+def test_kda_value_heads_grouped_over_key_heads():
+    """KDA with 4 value heads over 2 key heads (q/k read at head // 2 by the prepare and products kernels)."""
+    x = _inputs(8, kda=True, decay=5.0, rows=4)
+    x.update(q=x["q"][:, :2], k=x["k"][:, :2])
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x, block_v=(16, 32))
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+
+
 def test_dispatch_config_follows_the_number_of_sequence_head_pairs():
     """Fused state+output for many (sequence, head) pairs (the B=8 H=32 benchmark has 256), narrow state slabs
     that still give about 128 programs for few, and fp32 on the tiles it was validated with."""
