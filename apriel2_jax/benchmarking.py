@@ -120,6 +120,11 @@ def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str
     return kernel_times(events, match)
 
 
+def per_call_us(times: dict, calls: int) -> float:
+    """The GPU µs per call of all kernels in ``times`` (``traced_kernel_times`` of ``calls`` calls)."""
+    return sum(count * median_us for count, median_us in times.values()) / calls
+
+
 def kernel_times(events, match: str = "") -> dict:
     """{kernel name: (count, median µs)} from the events of a perfetto trace (a list, or a dict with
     "traceEvents"). Only the GPU's stream tracks count: a kernel's name also marks its host-side launch (a few µs,

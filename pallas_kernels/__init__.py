@@ -26,7 +26,8 @@ def register_all() -> None:
     # The fused decode kernels (conv + gates + update in one kernel, ``delta_rule_decode_fused``) are not
     # registered: in device time at B=256 H=32 K=V=128 on an H100 the unfused chain of dispatched kernels is
     # faster (GDN 409 vs 452 us, KDA 424 vs 523 us; an earlier run 479 vs 480 and 459 vs 556), since the update
-    # kernel launches a head's slabs together (docs/BENCHMARKS.md, session 4). Without a registration the modules take that chain.
+    # kernel launches a head's slabs together (docs/BENCHMARKS.md, session 4). Without a registration the modules
+    # take that chain.
     dispatch.register("delta_rule_varlen_slots", "gpu", delta_rule_prefill.prefill_slots)
     dispatch.register("selective_scan_varlen_slots", "gpu", selective_scan.varlen_slots)
     dispatch.register("selective_scan_decode_slots", "gpu", selective_scan.decode_slots)

@@ -213,7 +213,7 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
     rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
     block_rows = pl.ds(r * SUB, SUB)
 
-    def products(width):  # over the columns [0, width), which cover every column rows r*SUB.. see
+    def products(width):  # over the columns [0, width): every column that the sub-block's rows see
         t = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
         reach = (t < (r + 1) * SUB)[:, None]
         kk = jnp.zeros((SUB, width), F32)
@@ -527,7 +527,7 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
     [H, num_chunks, C, .], and the chunk's total log decay. GDN: one kernel over (chunk, head). KDA: the prepare
     kernel, the decayed products kk and qk (``_kda_products_kernel`` over sub-blocks and, for chunks it flags,
     ``_kda_exact_kernel``), the inverse, then w and u per column slice (``_kda_apply_kernel``). ``num_warps`` and
-    ``num_stages`` apply to the GDN kernel and KDA's prepare and apply kernels."""
+    ``num_stages`` apply to the GDN kernel and KDA's prepare, exact and apply kernels."""
     heads, value_dim = v.shape[1:]
     key_heads, key_dim = q.shape[1:]
     rep = heads // key_heads

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from apriel2_jax.benchmarking import (  # noqa: E402
-    after, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda, traced_kernel_times)
+    after, per_call_us, print_rows, time_looped, time_torch_back_to_back, time_torch_cuda, traced_kernel_times)
 from apriel2_jax.ops.delta_rule import delta_rule_varlen_slots  # noqa: E402
 from pallas_kernels.delta_rule_prefill import CHUNK, delta_rule_prefill, prefill_slots  # noqa: E402
 
@@ -89,7 +89,7 @@ def print_kernel_times(times: dict, calls: int = 3) -> float:
     """Prints each kernel's median GPU time from ``traced_kernel_times`` and returns the µs per call of all."""
     for name, (count, median_us) in times.items():
         print(f"  kernel {name[:90]}: {count / calls:g} per call, median {median_us:.1f} us", flush=True)
-    total = sum(count * median_us for count, median_us in times.values()) / calls
+    total = per_call_us(times, calls)
     print(f"  kernels' GPU time per call: {total:.1f} us", flush=True)
     return total
 

@@ -22,12 +22,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import traced_kernel_times  # noqa: E402
+from apriel2_jax.benchmarking import per_call_us, traced_kernel_times  # noqa: E402
 from pallas_kernels import delta_rule_prefill as kernels  # noqa: E402
 from scripts.bench_prefill import make_inputs  # noqa: E402
 from scripts.profile_prefill import CASES  # noqa: E402
 
-# keyword arguments of ``intra`` (warp counts of its kernels, KDA's form of the inverse's diagonal blocks)
+# keyword arguments of ``intra``: warp counts of its kernels
 INTRA = {True: [{}, dict(inverse_warps=2), dict(products_warps=8), dict(num_warps=8)],
          False: [{}, dict(num_warps=8)]}
 # (block_v, num_warps, num_stages)
@@ -45,7 +45,7 @@ def measure(label: str, fn) -> None:
         print(f"{label}  failed: {str(e).splitlines()[0][:200]}", flush=True)
         return
     parts = ", ".join(f"{name.replace('delta_rule_', '')} {us:.0f}" for name, (_, us) in times.items())
-    total = sum(count * us for count, us in times.values()) / 3
+    total = per_call_us(times, 3)
     print(f"{label}  {total:7.0f} us  ({parts}; {time.time() - start:.0f} s)", flush=True)
 
 

@@ -1,6 +1,6 @@
 """The trace reader behind the benchmarks' kernel GPU times (apriel2_jax.benchmarking.kernel_times)."""
 
-from apriel2_jax.benchmarking import kernel_times
+from apriel2_jax.benchmarking import kernel_times, per_call_us
 
 
 def _meta(pid, tid, process, thread):
@@ -17,3 +17,7 @@ def test_kernel_times_counts_gpu_stream_events_only():
     assert kernel_times({"traceEvents": events}, match="chunk") == {"chunk_o": (3, 95.0)}
     assert kernel_times(events) == {"chunk_o": (3, 95.0), "other": (1, 5.0)}
     assert kernel_times(events[4:]) == {}  # no track names: nothing is known to be a GPU kernel
+
+
+def test_per_call_us_sums_every_kernel_over_the_calls():
+    assert per_call_us({"a": (3, 95.0), "b": (6, 10.0)}, 3) == 95.0 + 20.0
