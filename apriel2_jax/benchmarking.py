@@ -144,3 +144,101 @@ def kernel_times(events, match: str = "") -> dict:
         if processes.get(track[0], "").startswith("/device:") and threads.get(track, "").startswith("Stream"):
             durations.setdefault(name, []).append(float(e["dur"]))
     return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}
+
+
+def trace_events(fn, calls: int, trace_dir: str | None = None) -> list:
+    """The perfetto events of a ``jax.profiler`` trace of ``calls`` calls of ``fn()``."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        where = trace_dir or scratch
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            for _ in range(calls):
+                fn()
+        path = sorted(glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path) as f:
+            events = json.load(f)
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def device_intervals(events) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of every event on the GPU's stream tracks (kernels, copies, memsets), by
+    start time."""
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        track = e.get("pid"), e.get("tid")
+        if processes.get(track[0], "").startswith("/device:") and threads.get(track, "").startswith("Stream"):
+            out.append((e.get("name", ""), float(e["ts"]), float(e["dur"])))
+    return sorted(out, key=lambda x: x[1])
+
+
+_KINDS = (  # (kind, substrings of a GPU event name), first match wins
+    ("copy/memset", ("memcpy", "memset", "Memcpy", "Memset")),
+    ("matmul", ("gemm", "gemv", "GEMM", "nvjet", "xmma", "cutlass", "cublas", "dot_")),
+    ("attention", ("paged_attention", "attention")),
+    ("delta rule", ("delta_rule", "_kda_", "_gdn_", "intra", "chunk_state", "chunk_output")),
+    ("conv1d", ("conv1d",)),
+    ("mamba scan", ("selective_scan", "scan")),
+    ("scatter/gather", ("scatter", "gather", "dynamic_update_slice", "dynamic-update-slice")),
+    ("sort/reduce", ("sort", "reduce", "argmax")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, marks in _KINDS:
+        if any(m in name for m in marks):
+            return kind
+    return "fusion/other"
+
+
+def step_breakdown(intervals: list[tuple[str, float, float]], steps: int) -> dict:
+    """Where the device time of ``steps`` steps goes, from the ``device_intervals`` of a trace that ran them.
+
+    Per step: the span of the timeline (first event's start to last event's end: what the device takes,
+    launch gaps and host stalls included), the busy time (union of the events), the idle time (span - busy),
+    the number of events, and the busy microseconds by kernel kind and by kernel name."""
+    if not intervals or steps < 1:
+        return {}
+    start = intervals[0][1]
+    stop = max(s + d for _, s, d in intervals)
+    busy, cursor = 0.0, start
+    kinds: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for name, s, d in intervals:
+        if s + d > cursor:
+            busy += s + d - max(s, cursor)
+            cursor = s + d
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + d
+        names[name] = names.get(name, 0.0) + d
+    return {
+        "steps": steps,
+        "span_us": (stop - start) / steps,
+        "busy_us": busy / steps,
+        "idle_us": (stop - start - busy) / steps,
+        "events": len(intervals) / steps,
+        "kinds_us": {k: v / steps for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_us": {k: v / steps for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:20]},
+    }
+
+
+def print_breakdown(title: str, breakdown: dict) -> None:
+    if not breakdown:
+        print(f"{title}: no GPU events")
+        return
+    b = breakdown
+    print(f"{title}, per step over {b['steps']}: device span {b['span_us']:.0f} us, busy {b['busy_us']:.0f}, "
+          f"idle {b['idle_us']:.0f}, {b['events']:.0f} GPU events")
+    print("  busy by kind (us/step): " + ", ".join(f"{k} {v:.1f}" for k, v in b["kinds_us"].items()))
+    for name, us in b["top_us"].items():
+        print(f"    {us:8.1f} us  {name[:110]}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth  # noqa: E402
+from apriel2_jax.benchmarking import (device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
+                                      step_breakdown, trace_events)
 from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import cache_layout  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
@@ -74,21 +76,42 @@ def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, params: int
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config_dir")
-    ap.add_argument("--placement", required=True)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--placement", required=True, nargs="+", help="one or more placement names (one row each)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8], help="decode batch sizes (one row each)")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prefill-batch", type=int, default=1)
     ap.add_argument("--max-chunk", type=int, default=512)
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="prefill token budget (default: max chunk)")
+    ap.add_argument("--max-prefill-rows", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode tokens per dispatch (default: the engine's)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="prefill with the engine's default token budget, chunk and rows (ignores the three flags)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--json", default=None, help="append the result row to this JSONL file")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
+    ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
 
     with open(os.path.join(args.config_dir, "config.json")) as f:
         raw = json.load(f)
     supernet = parse_config(raw)
-    placement = resolve_placement(supernet, args.placement, load_placements(args.config_dir))
+    named = load_placements(args.config_dir)
+    bandwidth = hbm_bandwidth()
+    rows = []
+    for name in args.placement:
+        rows += run_placement(args, raw, resolve_placement(supernet, name, named), name, bandwidth)
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
     config = parse_config(pruned_config(raw, placement))
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     dtype_bytes = np.dtype(dtype).itemsize
@@ -96,65 +119,101 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"{device.device_kind}: random {params / 1e9:.2f}B-parameter model ({args.placement}) in "
+    print(f"{device.device_kind}: random {params / 1e9:.2f}B-parameter model ({name}) in "
           f"{time.monotonic() - t0:.0f}s", file=sys.stderr)
 
-    bandwidth = hbm_bandwidth()
     max_len = args.prompt_len + args.output_len + args.page_size
-    batch = max(args.batch, args.prefill_batch)
+    batches = sorted(set(args.batch))
+    engine = {} if args.defaults else dict(
+        max_num_batched_tokens=args.max_batched_tokens or args.max_chunk,
+        max_chunk=args.max_chunk,
+        max_prefill_rows=args.max_prefill_rows,
+        buckets=Buckets(tuple(batches), (args.max_prefill_rows,), (args.max_chunk,)),
+    )
+    if args.decode_steps:
+        engine["decode_steps"] = args.decode_steps
+    t0 = time.monotonic()
     llm = LLM(
         model=model,
-        max_num_seqs=batch,
+        max_num_seqs=max(batches[-1], args.prefill_batch),
         max_model_len=max_len,
-        max_num_batched_tokens=args.max_chunk,
-        max_chunk=args.max_chunk,
-        max_prefill_rows=1,
         page_size=args.page_size,
         cache_memory_fraction=0.9,
-        buckets=Buckets((args.batch,), (1,), (args.max_chunk,)),
+        **engine,
     )
+    start_up = time.monotonic() - t0
     rng = np.random.default_rng(0)
     prompt = lambda: [int(t) for t in rng.integers(3, config.vocab_size, size=args.prompt_len)]  # noqa: E731
 
-    # Prefill: the real chunked path.
-    llm.generate([prompt() for _ in range(args.prefill_batch)], SamplingParams(max_new_tokens=1, ignore_eos=True))
-    prefill_tps = llm.stats.prefill_tokens_per_second
-    # Decode at context prompt_len on caches admitted as prefilled.
+    # Prefill: the real chunked path; the first run compiles the step shapes it needs, the second is timed.
+    prefill_prompts = [prompt() for _ in range(args.prefill_batch)]
+    t0 = time.monotonic()
+    llm.generate(prefill_prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    first_run = time.monotonic() - t0
     llm.stats = type(llm.stats)()
-    params_d = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
-    for _ in llm.stream([prompt() for _ in range(args.batch)], params_d, assume_prefilled=True):
-        pass
-    stats = llm.stats
-    step_s = stats.decode_seconds / max(stats.decode_steps, 1)
-    layout = cache_layout(config, llm.placement, dtype_bytes)
-    ideal = decode_bytes(layout, args.batch, args.prompt_len, dtype_bytes, params)
-    roofline_s = ideal / bandwidth
+    t0 = time.monotonic()
+    llm.generate(prefill_prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    prefill_wall = time.monotonic() - t0
+    prefill_tps = llm.stats.prefill_tokens_per_second
+    prefill_wall_tps = llm.stats.prefill_tokens / prefill_wall
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
     mfu = (2 * params * prefill_tps / PEAK_BF16_FLOPS[kind]) if kind else float("nan")
-    row = {
-        "device": device.device_kind,
-        "date": time.strftime("%Y-%m-%d"),
-        "config": os.path.basename(os.path.normpath(args.config_dir)),
-        "placement": args.placement,
-        "params_B": round(params / 1e9, 3),
-        "batch": args.batch,
-        "context": args.prompt_len,
-        "output_len": args.output_len,
-        "prefill_tok_s": round(prefill_tps, 1),
-        "prefill_mfu": round(mfu, 4),
-        "decode_tok_s": round(stats.decode_tokens_per_second, 1),
-        "decode_step_ms": round(step_s * 1e3, 3),
-        "roofline_step_ms": round(roofline_s * 1e3, 3),
-        "roofline_ratio": round(roofline_s / step_s, 4),
-        "hbm_GBps": round(bandwidth / 1e9, 1),
-        "cache": llm.plan.summary(layout),
-        "compilations": llm.runner.compilations,
-    }
-    print(" | ".join(f"{k}={v}" for k, v in row.items() if k != "cache"))
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    return 0
+    if args.trace:
+        events = trace_events(lambda: llm.generate(prefill_prompts[:1], SamplingParams(max_new_tokens=1,
+                                                                                       ignore_eos=True)), 1)
+        chunks = -(-args.prompt_len // llm.scheduler_config.max_chunk)
+        print_breakdown(f"prefill {name} (1 x {args.prompt_len}, chunk {llm.scheduler_config.max_chunk})",
+                        step_breakdown(device_intervals(events), chunks))
+    layout = cache_layout(config, llm.placement, dtype_bytes)
+    rows = []
+    for batch in batches:
+        # Decode at context prompt_len on caches admitted as prefilled.
+        params_d = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+        decode = lambda: [None for _ in llm.stream([prompt() for _ in range(batch)], params_d,  # noqa: E731
+                                                  assume_prefilled=True)]
+        decode()  # warm (first run of this bucket after compilation)
+        llm.stats = type(llm.stats)()
+        t0 = time.monotonic()
+        decode()
+        wall = time.monotonic() - t0
+        stats = dataclasses.replace(llm.stats)  # before tracing adds to it
+        step_s = stats.decode_seconds / max(stats.decode_steps, 1)
+        wall_step_s = wall / max(stats.decode_steps, 1)
+        device_step_us = float("nan")
+        if args.trace:
+            before = llm.stats.decode_steps
+            events = trace_events(decode, 1)
+            breakdown = step_breakdown(device_intervals(events), llm.stats.decode_steps - before)
+            print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
+            device_step_us = breakdown.get("span_us", float("nan"))
+        ideal = decode_bytes(layout, batch, args.prompt_len, dtype_bytes, params)
+        roofline_s = ideal / bandwidth
+        rows.append({
+            "device": device.device_kind,
+            "date": time.strftime("%Y-%m-%d"),
+            "config": os.path.basename(os.path.normpath(args.config_dir)),
+            "placement": name,
+            "params_B": round(params / 1e9, 3),
+            "batch": batch,
+            "context": args.prompt_len,
+            "prefill_tok_s": round(prefill_tps, 1),
+            "prefill_wall_tok_s": round(prefill_wall_tps, 1),
+            "prefill_mfu": round(mfu, 4),
+            "decode_tok_s": round(stats.decode_tokens_per_second, 1),
+            "decode_wall_tok_s": round(stats.decode_tokens / wall, 1),
+            "step_ms": round(step_s * 1e3, 3),
+            "wall_step_ms": round(wall_step_s * 1e3, 3),
+            "device_step_ms": round(device_step_us / 1e3, 3),
+            "roofline_ms": round(roofline_s * 1e3, 3),
+            "roofline_ratio": round(roofline_s / step_s, 4),
+            "hbm_GBps": round(bandwidth / 1e9, 1),
+            "decode_steps": llm.decode_steps,
+            "start_up_s": round(start_up, 1),
+            "first_prefill_s": round(first_run, 1),
+            "compilations": llm.runner.compilations,
+        })
+    del llm
+    return rows
 
 
 if __name__ == "__main__":

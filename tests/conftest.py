@@ -3,6 +3,9 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tests never write the user's persistent compilation cache; tests of the cache give their own directory.
+os.environ.setdefault("APRIEL2_JAX_CACHE_DIR", "off")
+
 GOLDENS = os.environ.get("APRIEL2_GOLDENS", os.path.join(REPO, "..", "shared", "goldens"))
 
 

@@ -21,3 +21,21 @@ def test_kernel_times_counts_gpu_stream_events_only():
 
 def test_per_call_us_sums_every_kernel_over_the_calls():
     assert per_call_us({"a": (3, 95.0), "b": (6, 10.0)}, 3) == 95.0 + 20.0
+
+
+def test_step_breakdown_splits_busy_and_idle_time_and_names_kinds():
+    from apriel2_jax.benchmarking import device_intervals, kernel_kind, step_breakdown
+
+    events = _meta(1, 7, "/device:GPU:0", "Stream #7(Compute)") + _meta(2, 3, "/host:CPU", "Host Threads/1")
+    # Two steps: a matmul and an overlapping attention kernel, then an idle gap, then a copy.
+    events += [dict(ph="X", name="gemm_fusion_dot_1", pid=1, tid=7, ts=0.0, dur=10.0),
+               dict(ph="X", name="paged_attention_decode", pid=1, tid=7, ts=5.0, dur=10.0),
+               dict(ph="X", name="MemcpyD2H", pid=1, tid=7, ts=35.0, dur=5.0),
+               dict(ph="X", name="host_only", pid=2, tid=3, ts=0.0, dur=100.0)]
+    intervals = device_intervals(events)
+    assert [name for name, _, _ in intervals] == ["gemm_fusion_dot_1", "paged_attention_decode", "MemcpyD2H"]
+    b = step_breakdown(intervals, steps=2)
+    assert b["span_us"] == 20.0 and b["busy_us"] == 10.0 and b["idle_us"] == 10.0 and b["events"] == 1.5
+    assert b["kinds_us"] == {"matmul": 5.0, "attention": 5.0, "copy/memset": 2.5}
+    assert kernel_kind("input_reduce_fusion_3") == "sort/reduce" and kernel_kind("loop_add_fusion") == "fusion/other"
+    assert step_breakdown([], 3) == {}

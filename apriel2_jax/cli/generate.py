@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from ..engine.defaults import DEFAULTS, WARM_UP_CHOICES
+
 PROG = "apriel2-generate"
 
 
@@ -107,19 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", action="store_true", help="report the log-probability of each generated token")
 
     g = parser.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
+    d = DEFAULTS
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"sequences decoded together (default {d.max_num_seqs})")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length: prompt + generated tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (default 512)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help=f"token budget of a prefill step, padding included (default {d.max_num_batched_tokens})")
     g.add_argument("--max-chunk", type=int, default=None,
                    help="longest prefill chunk of one sequence (default: --max-num-batched-tokens)")
-    g.add_argument("--max-prefill-rows", type=int, default=4, help="sequences prefilled in one step (default 4)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
-    g.add_argument("--cache-memory-fraction", type=float, default=0.85,
-                   help="fraction of free device memory for the caches (default 0.85)")
-    g.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every step shape at start-up (default); --no-warm-up compiles on first use, "
-                        "which then counts in the reported timings")
+    g.add_argument("--max-prefill-rows", type=int, default=None,
+                   help="sequences prefilled in one step (default: --max-num-seqs)")
+    g.add_argument("--decode-steps", type=int, default=d.decode_steps,
+                   help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps})")
+    g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
+    g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
+                   help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")
+    g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,
+                   help="step shapes compiled before serving: 'few' (default: decode at 1 and at --max-num-seqs "
+                        "rows), 'all', or 'none'; the others compile when first needed (a log line says so), "
+                        "and that time then counts in the reported timings")
+    g.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="persistent compilation cache directory (default: $APRIEL2_JAX_CACHE_DIR, else "
+                        "~/.cache/apriel2-jax/xla); 'off' disables it")
 
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true",
@@ -294,7 +306,7 @@ def summary_lines(llm, outputs, wall: float, warmed_up: bool) -> list[str]:
         f"prefill: {stats.prefill_tokens} tokens in {stats.prefill_seconds:.2f} s = "
         f"{stats.prefill_tokens_per_second:.1f} tokens/s; decode: {stats.decode_tokens} tokens in "
         f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s; {stats.steps} steps"
-        + ("" if warmed_up else " (compilation included: --no-warm-up)"),
+        + ("" if warmed_up else " (compilation of shapes not warmed up included)"),
     ]
     usage = llm.cache_manager.usage()
     parts = []
@@ -424,7 +436,7 @@ def _run(args) -> int:
     if args.json:
         sys.stdout.write(json.dumps([output_record(o) for o in outputs], ensure_ascii=False) + "\n")
         sys.stdout.flush()
-    for line in summary_lines(llm, outputs, wall, args.warm_up):
+    for line in summary_lines(llm, outputs, wall, args.warm_up == "all"):
         print(line, file=sys.stderr)
     return 0
 
@@ -444,11 +456,13 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_chunk=args.max_chunk,
         max_prefill_rows=args.max_prefill_rows,
+        decode_steps=args.decode_steps,
         page_size=args.page_size,
         cache_memory_fraction=args.cache_memory_fraction,
         seed=engine_seed,
         tokenizer=tokenizer,
         warm_up=args.warm_up,
+        compilation_cache=args.compilation_cache,
     )
 
     outputs = []

@@ -22,15 +22,19 @@ import numpy as np
 from flax import nnx
 
 from ..checkpoint import load_model
+from ..compilation_cache import enable_compilation_cache
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
 from .cache_manager import CacheManager
+from .defaults import DEFAULTS, WARM_UP_CHOICES
 from .sampling import SamplingParams, StopChecker, request_seed
-from .scheduler import Request, Scheduler, SchedulerConfig
-from .step import Buckets, StepRunner, build_inputs
+from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from .step import Buckets, StepRunner, build_inputs, device_stop_ids
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+
+
 
 
 @dataclasses.dataclass
@@ -57,8 +61,9 @@ class StreamEvent:
 
 @dataclasses.dataclass
 class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
+    steps: int = 0  # dispatches
+    decode_dispatches: int = 0
+    decode_steps: int = 0  # device iterations of decode dispatches (one token per running row each)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
@@ -84,28 +89,41 @@ class LLM:
         dtype: str = "bfloat16",
         placement: PlacementSpec = None,
         placements: dict | None = None,
-        max_num_seqs: int = 16,
+        max_num_seqs: int = DEFAULTS.max_num_seqs,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
         max_chunk: int | None = None,
-        max_prefill_rows: int = 4,
-        page_size: int = 16,
-        cache_memory_fraction: float = 0.85,
+        max_prefill_rows: int | None = None,
+        page_size: int = DEFAULTS.page_size,
+        decode_steps: int = DEFAULTS.decode_steps,
+        cache_memory_fraction: float = DEFAULTS.cache_memory_fraction,
         cache_bytes: int | None = None,
         num_state_slots: int | None = None,
         seed: int = 0,
         tokenizer=None,
         debug_checks: bool = False,
-        warm_up: bool = True,
+        warm_up: str | bool = DEFAULTS.warm_up,
+        compilation_cache: str | os.PathLike | None = None,
         buckets: Buckets | None = None,
         step_runner: StepRunner | None = None,
         log: Callable[[str], None] | None = None,
     ):
-        """``step_runner``: share compiled steps with another engine over the same model (e.g. to compare
-        scheduler settings without recompiling)."""
+        """``max_chunk`` (longest prefill piece of one prompt per step) defaults to the token budget and
+        ``max_prefill_rows`` to ``max_num_seqs``. ``decode_steps``: tokens a decode dispatch may generate per
+        sequence (a device loop with on-device stop checks). ``warm_up``: which step shapes to compile before
+        serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the others compile
+        when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
+        per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
+        compiled steps with another engine over the same model (e.g. to compare scheduler settings without
+        recompiling)."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if warm_up is True or warm_up is False:
+            warm_up = "all" if warm_up else "none"
+        if warm_up not in WARM_UP_CHOICES:
+            raise ValueError(f"warm_up must be one of {WARM_UP_CHOICES}, got {warm_up!r}")
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         if model is None:
             model = load_model(self.checkpoint_dir, dtype)
@@ -119,12 +137,14 @@ class LLM:
 
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         max_chunk = max_chunk or max_num_batched_tokens
+        max_prefill_rows = max_prefill_rows or max_num_seqs
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_chunk", max_chunk),
             ("max_prefill_rows", max_prefill_rows),
             ("page_size", page_size),
+            ("decode_steps", decode_steps),
             ("max_model_len", self.max_model_len),
         ):
             if not isinstance(value, int) or value < 1:
@@ -142,13 +162,18 @@ class LLM:
         self.page_size = page_size
         self.seed = seed
         self.debug_checks = debug_checks
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows)
-        self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk)
+        self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk, max_num_batched_tokens)
+        self.decode_steps = decode_steps
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows, decode_steps, self.max_model_len,
+            # Buckets built for the token budget keep padded steps within it; given buckets are taken as they are.
+            padded_size=self._padded_prefill_size if self.buckets.max_tokens is not None else None,
+        )
         self._warm_up = warm_up
         self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)
         if step_runner is not None and step_runner.graphdef != nnx.graphdef(model):
             raise ValueError("step_runner was built for a different model")
-        self.runner = step_runner if step_runner is not None else StepRunner(model)
+        self.runner = step_runner if step_runner is not None else StepRunner(model, self.log)
         self.stats = EngineStats()
         self._request_counter = 0
         self._cache = None
@@ -182,7 +207,7 @@ class LLM:
             page_size=self.page_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
-            max_chunk=self.scheduler_config.max_chunk,
+            max_chunk=max(self.scheduler_config.max_chunk, self.decode_steps),
         )
         self.plan = plan
         self.cache_manager = CacheManager(self.layout, plan)
@@ -190,8 +215,25 @@ class LLM:
         self.placement = resolved
         self.log(f"cache: {plan.summary(self.layout)}")
         self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots))()
-        if self._warm_up:
-            self._cache = self.runner.warm_up(self._cache, self.buckets.shapes(), self.cache_manager, resolved, self.log)
+        if self._warm_up != "none":
+            self._cache = self.runner.warm_up(
+                self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,
+                both_samplers=self._warm_up == "all",
+            )
+
+    def _warm_up_shapes(self) -> list[tuple[int, int]]:
+        if self._warm_up == "all":
+            return self.buckets.shapes()
+        rows = self.buckets.decode_rows
+        return sorted({(rows[0], 1), (rows[-1], 1)})
+
+    def _padded_prefill_size(self, rows: int, tokens: int) -> int:
+        """Tokens a prefill step of ``rows`` rows, the longest ``tokens`` long, computes once padded."""
+        try:
+            padded_rows, width = self.buckets.pick("prefill", rows, tokens)
+        except ValueError:
+            return sys.maxsize
+        return padded_rows * width
 
     # ------------------------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
@@ -269,26 +311,45 @@ class LLM:
         if not step.rows:
             return
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
-        inputs = build_inputs(step, shape, self.cache_manager)
+        decode = step.kind == "decode"
+        inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
         t0 = time.monotonic()
-        tokens, logprobs, self._cache = self.runner.run(self._cache, inputs, self.placement)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        (tokens, logprobs, steps), self._cache = self.runner.run(
+            self._cache, inputs, self.placement, self.decode_steps if decode else 1
+        )
+        tokens, logprobs, steps = np.asarray(tokens), np.asarray(logprobs), int(steps)
         elapsed = time.monotonic() - t0
+        # Tokens each row generated: the device stops a row at its budget or one of its stop ids.
+        fed = {}
+        for i, row in enumerate(step.rows):
+            if decode:
+                stops = set(device_stop_ids(row.request, self.config.eos_token_ids))
+                count = min(steps, row.budget)
+                for j in range(count):
+                    if int(tokens[j, i]) in stops:
+                        count = j + 1
+                        break
+                fed[row.request] = count
         self.stats.steps += 1
-        if step.kind == "decode":
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += step.num_tokens
+        if decode:
+            self.stats.decode_dispatches += 1
+            self.stats.decode_steps += steps
+            self.stats.decode_tokens += sum(fed.values())
             self.stats.decode_seconds += elapsed
         else:
             self.stats.prefill_tokens += step.num_tokens
             self.stats.prefill_seconds += elapsed
         for family, (used, _) in self.cache_manager.usage().items():
             self.stats.peak_usage[family] = max(self.stats.peak_usage.get(family, 0), used)
-        self.scheduler.complete(step)
+        self.scheduler.complete(step, fed)
         now = time.monotonic()
         for i, row in enumerate(step.rows):
-            if row.samples:
-                yield from self._append(row.request, int(tokens[i]), float(logprobs[i]), now)
+            if not row.samples:
+                continue
+            for j in range(fed.get(row.request, 1)):
+                yield from self._append(row.request, int(tokens[j, i]), float(logprobs[j, i]), now)
+                if row.request.status is RequestStatus.FINISHED:
+                    break
         if self.debug_checks:
             self.scheduler.check_invariants()
 

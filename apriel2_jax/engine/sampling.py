@@ -16,7 +16,8 @@ Design choices of :func:`sample` (see its docstring for details):
   found exactly by a 32-step bitwise search over the order-preserving integer image of the float values (a
   radix select). That costs ~63 fused compare-and-reduce passes over ``[R, V]`` instead of an
   ``O(V log^2 V)`` bitonic sort, needs no static cap on ``k`` and makes top-p exact over the whole vocabulary.
-  Each filter is skipped at run time (``lax.cond``) when no row of the batch uses it.
+  A step whose rows use neither filter runs a variant without them (``filters=False``, chosen on the host):
+  a run-time ``lax.cond`` would cost a device-to-host sync inside every step.
 * **Ties at a threshold are kept.** Top-k keeps every token whose logit equals the k-th largest, and top-p
   keeps every token whose probability equals the smallest kept one, so the result never depends on the
   vocabulary order of equal values (it may keep slightly more than ``k`` tokens / more than the minimal mass).
@@ -380,8 +381,9 @@ def sample(
     top_k: jax.Array,
     top_p: jax.Array,
     keys: jax.Array,
+    filters: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row. Pure and jittable; one compile per ``(R, V)`` shape.
+    """Draw one token per row. Pure and jittable; one compile per ``(R, V)`` shape and ``filters``.
 
     Args:
       logits: ``[R, V]``, any float dtype (computed in float32).
@@ -392,6 +394,8 @@ def sample(
         renormalised distribution. Ties with the smallest kept probability are kept.
       keys: typed PRNG key array ``[R]`` (:func:`make_keys` / :func:`keys_from_words`). Row ``r``'s draw
         depends only on ``keys[r]`` and ``logits[r]``.
+      filters: static. False leaves out the top-k / top-p code; valid only when no row uses either (the
+        engine picks the variant per step on the host, so the compiled step has no data-dependent branch).
 
     Returns:
       ``(tokens i32[R], logprobs f32[R])``; ``logprobs`` is the chosen token's log-probability under the
@@ -411,19 +415,11 @@ def sample(
     use_top_k = ~greedy & (top_k > 0) & (top_k < vocab)
     use_top_p = ~greedy & (top_p < 1.0)
 
-    # The filters are the expensive part (~32 passes over [R, V] each); most decode batches use neither.
-    keep = lax.cond(
-        jnp.any(use_top_k),
-        lambda: _top_k_mask(scaled, jnp.where(use_top_k, top_k, 0)),
-        lambda: jnp.ones(scaled.shape, jnp.bool_),
-    )
-    scaled = jnp.where(keep, scaled, -jnp.inf)
-    keep = lax.cond(
-        jnp.any(use_top_p),
-        lambda: _top_p_mask(scaled, jnp.where(use_top_p, top_p, 1.0)),
-        lambda: jnp.ones(scaled.shape, jnp.bool_),
-    )
-    scaled = jnp.where(keep, scaled, -jnp.inf)
+    if filters:
+        # The filters are the expensive part (~32 passes over [R, V] each). They run over every row: a row that
+        # does not use one keeps everything, so the variant changes speed, never tokens.
+        scaled = jnp.where(_top_k_mask(scaled, jnp.where(use_top_k, top_k, 0)), scaled, -jnp.inf)
+        scaled = jnp.where(_top_p_mask(scaled, jnp.where(use_top_p, top_p, 1.0)), scaled, -jnp.inf)
 
     sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     tokens = jnp.where(greedy, greedy_tokens, sampled)

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from .cache_manager import CacheManager
 
@@ -71,6 +71,7 @@ class ScheduledRow:
     start: int  # first position fed this step
     length: int  # tokens fed this step
     samples: bool  # the step ends this request's pending tokens: sample from its last logits
+    budget: int = 1  # decode: the most tokens the step may generate for this row (its pages are allocated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # token budget of a prefill step
     max_chunk: int  # longest prefill chunk of one request in one step
     max_prefill_rows: int  # requests in one prefill step
+    decode_steps: int = 1  # tokens a decode step may generate per row (device loop, one dispatch)
+    max_model_len: int | None = None  # a decode row's budget never runs a request past it
+    # (rows, longest row) -> tokens the step computes once padded to its shape; a prefill step stays within
+    # max_num_batched_tokens counted this way, so padding never makes a step larger than the budget
+    padded_size: Callable[[int, int], int] | None = None
 
 
 class Scheduler:
@@ -177,23 +183,43 @@ class Scheduler:
                 return ScheduledStep(kind, tuple(rows), tuple(preempted))
         return ScheduledStep("idle", (), tuple(preempted)) if preempted else None
 
+    def decode_budget(self, request: Request) -> int:
+        """Tokens one decode step may generate for ``request``: ``decode_steps``, fewer near its end."""
+        budget = min(self.config.decode_steps, request.params.max_new_tokens - len(request.output_ids))
+        if self.config.max_model_len is not None:
+            budget = min(budget, self.config.max_model_len - request.num_tokens)
+        return max(1, budget)
+
     def _schedule_decode(self, preempted: list[Request]) -> list[ScheduledRow]:
         rows = []
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.pending == 1:
-                if self._allocate(request, 1, preempted):
-                    rows.append(ScheduledRow(request, request.num_computed, 1, True))
+                budget = self.decode_budget(request)
+                # Pages for the whole budget if they are free; otherwise one token, preempting if need be.
+                if budget > 1 and not self.cache.try_allocate(request.request_id, request.num_computed, budget):
+                    budget = 1
+                if budget > 1 or self._allocate(request, 1, preempted):
+                    rows.append(ScheduledRow(request, request.num_computed, 1, True, budget))
         return [row for row in rows if row.request.status is RequestStatus.RUNNING]
 
     def _schedule_prefill(self, preempted: list[Request]) -> list[ScheduledRow]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         rows: list[ScheduledRow] = []
+
+        def fits(length: int) -> bool:
+            if not rows or cfg.padded_size is None:
+                return True
+            longest = max([length] + [row.length for row in rows])
+            return cfg.padded_size(len(rows) + 1, longest) <= cfg.max_num_batched_tokens
+
         for request in list(self.running):
             if len(rows) >= cfg.max_prefill_rows or budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING and request.pending > 1:
                 length = min(request.pending, cfg.max_chunk, budget)
+                if not fits(length):
+                    break
                 if self._allocate(request, length, preempted):
                     budget -= length
                     rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
@@ -202,6 +228,8 @@ class Scheduler:
                 break
             request = self.waiting[0]
             length = min(request.pending, cfg.max_chunk, budget)
+            if not fits(length):
+                break
             if not self.cache.try_allocate(request.request_id, 0, length):
                 self.cache.free(request.request_id)  # nothing to preempt for a newcomer: wait for pages
                 break
@@ -212,10 +240,11 @@ class Scheduler:
             rows.append(ScheduledRow(request, 0, length, length == request.pending))
         return [row for row in rows if row.request.status is RequestStatus.RUNNING]
 
-    def complete(self, step: ScheduledStep) -> None:
-        """Record that the step ran: the fed tokens are now cached."""
+    def complete(self, step: ScheduledStep, fed: dict | None = None) -> None:
+        """Record that the step ran: the fed tokens are now cached. ``fed`` maps a request to the tokens the
+        step fed it when that differs from its row's length (a decode row that ran several iterations)."""
         for row in step.rows:
-            row.request.num_computed = row.start + row.length
+            row.request.num_computed = row.start + (fed or {}).get(row.request, row.length)
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()

@@ -1,9 +1,15 @@
-"""The jitted engine step: one compiled function per shape bucket (rows, tokens per row) and placement.
+"""The jitted engine step: one compiled function per step shape, placement and sampler variant.
 
-The host turns a ``ScheduledStep`` into fixed-shape numpy arrays once per step (``build_inputs``); the device
-runs the model over the paged caches, donated and updated in place, and samples each row's next token. Padding
-rows and tokens touch only the sink page and sink slot, so a bucket larger than the live requests (or the state
-slots) never indexes out of bounds.
+A step's host inputs are two arrays, built once per step by :func:`build_inputs`: ``ints [rows, columns]``
+(tokens, start position, length, slot, block tables, sampling seeds, stop ids, ...; see :class:`StepLayout`)
+and ``floats [rows, 2]`` (temperature, top-p). Two transfers per step, and the parameters and caches are passed
+as flat lists of arrays, so a call costs the host microseconds rather than a pytree walk over every module.
+
+A decode step runs up to ``decode_steps`` tokens per row in one dispatch: a device loop feeds each row's
+sampled token back, stops a row at one of its stop ids or at its token budget, and ends when every row has
+stopped. A stopped row is turned into padding (sink slot, sink pages), so later iterations never touch its
+state. Padding rows and tokens touch only the sink page and sink slot, so a bucket larger than the live requests
+(or the state slots) never indexes out of bounds.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from .cache_manager import CacheManager
 from .sampling import keys_from_words, sample, seeds_to_words
 from .scheduler import ScheduledStep
 
+# Stop ids checked on the device per row (EOS ids and the request's stop_token_ids); a request with more is
+# still stopped correctly by the host, only later than it could be.
+DEVICE_STOP_IDS = 4
+
 
 def _powers_of_two_upto(limit: int, start: int = 1) -> tuple[int, ...]:
     sizes, size = [], start
@@ -36,21 +46,37 @@ def _powers_of_two_upto(limit: int, start: int = 1) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
+    """The step shapes (rows, tokens per row) the engine runs; a step is padded up to the smallest that holds it.
+
+    Prefill shapes are the pairs of ``prefill_rows`` x ``prefill_tokens`` whose padded size fits the token
+    budget (``max_tokens``), plus one row of any width: a step never pads past the budget it was scheduled
+    under, so no shape is compiled that the scheduler cannot produce."""
+
     decode_rows: tuple[int, ...]
     prefill_rows: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
+    max_tokens: int | None = None
 
     @classmethod
-    def default(cls, max_num_seqs: int, max_prefill_rows: int, max_chunk: int) -> "Buckets":
+    def default(cls, max_num_seqs: int, max_prefill_rows: int, max_chunk: int, max_tokens: int | None = None) -> "Buckets":
         return cls(
             _powers_of_two_upto(max_num_seqs),
             _powers_of_two_upto(max_prefill_rows),
             _powers_of_two_upto(max_chunk, start=min(16, max_chunk)),
+            max_tokens,
         )
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        shapes = []
+        for tokens in self.prefill_tokens:
+            for rows in self.prefill_rows:
+                if rows == self.prefill_rows[0] or self.max_tokens is None or rows * tokens <= self.max_tokens:
+                    shapes.append((rows, tokens))
+        return shapes
+
     def shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, tokens) shape the engine can run: what start-up compiles."""
-        return [(r, 1) for r in self.decode_rows] + [(r, t) for r in self.prefill_rows for t in self.prefill_tokens]
+        """Every (rows, tokens) shape the engine can run."""
+        return [(r, 1) for r in self.decode_rows] + self.prefill_shapes()
 
     def pick(self, kind: str, rows: int, tokens: int) -> tuple[int, int]:
         def smallest(options, n):
@@ -61,80 +87,220 @@ class Buckets:
 
         if kind == "decode":
             return smallest(self.decode_rows, rows), 1
-        return smallest(self.prefill_rows, rows), smallest(self.prefill_tokens, tokens)
+        width = smallest(self.prefill_tokens, tokens)
+        fitting = [r for r, t in self.prefill_shapes() if t == width]
+        return smallest(fitting, rows), width
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Column layout of a step's packed int32 input (one row per sequence)."""
+
+    tokens: int  # tokens per row
+    table_widths: tuple[tuple[str, int], ...]  # (family, block-table columns), in a fixed order
+
+    SCALARS = ("start", "length", "slot", "fresh", "top_k", "seed_hi", "seed_lo", "counter", "budget")
+
+    @property
+    def columns(self) -> dict[str, slice]:
+        out, at = {}, 0
+        for name, width in (
+            [("tokens", self.tokens)]
+            + [(s, 1) for s in self.SCALARS]
+            + [("stop_ids", DEVICE_STOP_IDS)]
+            + [(f"first_page/{f}", 1) for f, _ in self.table_widths]
+            + [(f"tables/{f}", w) for f, w in self.table_widths]
+        ):
+            out[name] = slice(at, at + width)
+            at += width
+        return out
+
+    @property
+    def width(self) -> int:
+        return max(s.stop for s in self.columns.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    tokens: np.ndarray  # [S, T]
-    batch: PagedBatch  # numpy leaves
-    temperature: np.ndarray  # [S]
-    top_k: np.ndarray  # [S]
-    top_p: np.ndarray  # [S]
-    seeds: np.ndarray  # [S, 2] uint32 words of each request's 64-bit seed
-    counters: np.ndarray  # [S] uint32 number of tokens the request has generated so far
+    ints: np.ndarray  # [rows, layout.width] int32
+    floats: np.ndarray  # [rows, 2] float32: temperature, top-p
+    layout: StepLayout
+    filters: bool  # some row samples with top-k or top-p (selects the sampler variant)
 
 
-def build_inputs(step: ScheduledStep, shape: tuple[int, int], cache: CacheManager) -> StepInputs:
+def device_stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids that stop ``request`` on the device (a subset of what the host's stop check finishes it on)."""
+    params = request.params
+    ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+    return ids[:DEVICE_STOP_IDS]
+
+
+def build_inputs(
+    step: ScheduledStep,
+    shape: tuple[int, int],
+    cache: CacheManager,
+    budgets: Sequence[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> StepInputs:
+    """``budgets``: per row, the most tokens a decode step may generate for it (pages are allocated for them)."""
     rows, width = shape
-    tokens = np.zeros((rows, width), np.int32)
-    positions = np.zeros((rows, width), np.int32)
-    mask = np.zeros((rows, width), bool)
-    last = np.zeros((rows,), np.int32)
-    fresh = np.zeros((rows,), bool)
-    temperature = np.zeros((rows,), np.float32)
-    top_k = np.zeros((rows,), np.int32)
-    top_p = np.ones((rows,), np.float32)
-    seeds = np.zeros((rows, 2), np.uint32)
-    counters = np.zeros((rows,), np.uint32)
+    tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows)
+    layout = StepLayout(width, tuple((f, t.shape[1]) for f, t in tables.tables.items()))
+    col = layout.columns
+    ints = np.zeros((rows, layout.width), np.int32)
+    floats = np.zeros((rows, 2), np.float32)
+    floats[:, 1] = 1.0
+    ints[:, col["stop_ids"]] = -1
+    filters = False
     for i, row in enumerate(step.rows):
         request = row.request
-        tokens[i, : row.length] = [request.token(p) for p in range(row.start, row.start + row.length)]
-        positions[i] = np.arange(row.start, row.start + width)
-        mask[i, : row.length] = True
-        last[i] = row.length - 1
-        fresh[i] = row.start == 0
+        ints[i, col["tokens"].start : col["tokens"].start + row.length] = [
+            request.token(p) for p in range(row.start, row.start + row.length)
+        ]
         params = request.params
-        temperature[i] = params.temperature
-        top_k[i] = params.top_k
-        top_p[i] = params.top_p
-        seeds[i] = seeds_to_words([request.seed])[0]
-        counters[i] = len(request.output_ids)
-    tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows)
-    batch = PagedBatch(positions, mask, last, tables.slots, fresh, tables.tables, tables.first_page)
-    return StepInputs(tokens, batch, temperature, top_k, top_p, seeds, counters)
+        seed = seeds_to_words([request.seed])[0].view(np.int32)
+        ints[i, col["start"].start] = row.start
+        ints[i, col["length"].start] = row.length
+        ints[i, col["fresh"].start] = row.start == 0
+        ints[i, col["top_k"].start] = min(params.top_k, np.iinfo(np.int32).max)  # larger means "no limit" anyway
+        ints[i, col["seed_hi"].start], ints[i, col["seed_lo"].start] = seed
+        ints[i, col["counter"].start] = len(request.output_ids)
+        ints[i, col["budget"].start] = 1 if budgets is None else budgets[i]
+        stop = device_stop_ids(request, eos_token_ids)
+        ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
+        floats[i] = params.temperature, params.top_p
+        filters |= not params.is_greedy and (0 < params.top_k or params.top_p < 1.0)
+    ints[:, col["slot"].start] = tables.slots
+    for family, table in tables.tables.items():
+        ints[:, col[f"first_page/{family}"].start] = tables.first_page[family]
+        ints[:, col[f"tables/{family}"]] = table
+    return StepInputs(ints, floats, layout, filters)
+
+
+def _unpack(ints: jax.Array, layout: StepLayout):
+    """The device view of a packed step input: tokens [S, T], a PagedBatch and the per-row scalars."""
+    col = layout.columns
+    scalar = {name: ints[:, col[name]][:, 0] for name in StepLayout.SCALARS}
+    tokens = ints[:, col["tokens"]]
+    steps = jnp.arange(layout.tokens, dtype=jnp.int32)
+    batch = PagedBatch(
+        positions=scalar["start"][:, None] + steps,
+        token_mask=steps < scalar["length"][:, None],
+        last_index=jnp.maximum(scalar["length"] - 1, 0),
+        slots=scalar["slot"],
+        fresh=scalar["fresh"] != 0,
+        tables={f: ints[:, col[f"tables/{f}"]] for f, _ in layout.table_widths},
+        first_page={f: ints[:, col[f"first_page/{f}"]][:, 0] for f, _ in layout.table_widths},
+    )
+    seeds = jax.lax.bitcast_convert_type(jnp.stack([scalar["seed_hi"], scalar["seed_lo"]], axis=1), jnp.uint32)
+    return tokens, batch, scalar, seeds, ints[:, col["stop_ids"]]
+
+
+def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
+    """Rows that stopped become padding: their tokens write only to the sink page and sink slot."""
+    return dataclasses.replace(
+        batch,
+        token_mask=batch.token_mask & ~stopped[:, None],
+        slots=jnp.where(stopped, 0, batch.slots),
+        tables={f: jnp.where(stopped[:, None], 0, t) for f, t in batch.tables.items()},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    tokens: np.ndarray  # [steps, rows] int32: the token sampled at each iteration
+    logprobs: np.ndarray  # [steps, rows] float32
+    steps: int  # iterations the device ran (decode: 1..decode_steps; prefill: 1)
 
 
 class StepRunner:
-    """Owns the model parameters and the jitted step; counts compilations (each trace is one)."""
+    """Owns the model parameters and the jitted steps; counts compilations (each trace is one)."""
 
-    def __init__(self, model: Apriel2ForCausalLM):
-        self.graphdef, self.params = nnx.split(model)
+    def __init__(self, model: Apriel2ForCausalLM, log: Callable[[str], None] | None = None):
+        self.graphdef, params = nnx.split(model)
+        # Flat leaves: passing the nnx State itself costs ~1 ms of pytree flattening on every call.
+        self.param_leaves, self.param_tree = jax.tree.flatten(params)
         self.compilations = 0
-        self._step = jax.jit(self._step_fn, static_argnames=("placement",), donate_argnames=("cache",))
-
-    def _step_fn(self, params, cache, tokens, batch, temperature, top_k, top_p, seeds, counters, placement):
-        self.compilations += 1  # Python runs here only while tracing, i.e. once per compiled shape
-        model = nnx.merge(self.graphdef, params)
-        logits, cache = model.forward_paged(tokens, batch, cache, placement)
-        keys = keys_from_words(seeds, counters)
-        next_tokens, logprobs = sample(logits.astype(jnp.float32), temperature, top_k, top_p, keys)
-        return next_tokens, logprobs, cache
-
-    def run(self, cache, inputs: StepInputs, placement: Placement):
-        """Returns (next tokens [S], logprobs [S]) as device arrays and the updated cache."""
-        return self._step(
-            self.params,
-            cache,
-            inputs.tokens,
-            inputs.batch,
-            inputs.temperature,
-            inputs.top_k,
-            inputs.top_p,
-            inputs.seeds,
-            inputs.counters,
-            placement=placement,
+        self.log = log
+        self._compiled: set = set()
+        self._step = jax.jit(
+            self._step_fn, static_argnames=("cache_tree", "layout", "placement", "decode_steps", "filters"), donate_argnums=(1,)
         )
+
+    def _step_fn(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, layout, placement, decode_steps, filters):
+        self.compilations += 1  # Python runs here only while tracing, i.e. once per compiled shape
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
+        cache = cache_tree.unflatten(cache_leaves)
+        tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
+        temperature, top_p = floats[:, 0], floats[:, 1]
+
+        def one(tokens, batch, cache, i):
+            logits, cache = model.forward_paged(tokens, batch, cache, placement)
+            keys = keys_from_words(seeds, (scalar["counter"] + i).astype(jnp.uint32))
+            next_tokens, logprobs = sample(
+                logits.astype(jnp.float32), temperature, scalar["top_k"], top_p, keys, filters=filters
+            )
+            return next_tokens, logprobs, cache
+
+        if decode_steps == 1:
+            next_tokens, logprobs, cache = one(tokens, batch, cache, 0)
+            return next_tokens[None], logprobs[None], jnp.int32(1), jax.tree.leaves(cache)
+
+        rows = ints.shape[0]
+        stopped = scalar["budget"] <= 0  # padding rows
+
+        def body(carry):
+            i, tokens, cache, out_tokens, out_logprobs, stopped = carry
+            step_batch = _as_padding(dataclasses.replace(batch, positions=batch.positions + i), stopped)
+            next_tokens, logprobs, cache = one(tokens, step_batch, cache, i)
+            out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, next_tokens, i, 0)
+            out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, logprobs, i, 0)
+            hit = jnp.any(next_tokens[:, None] == stop_ids, axis=1) | (i + 1 >= scalar["budget"])
+            return i + 1, next_tokens[:, None], cache, out_tokens, out_logprobs, stopped | hit
+
+        def running(carry):
+            i, stopped = carry[0], carry[-1]
+            return (i < decode_steps) & ~jnp.all(stopped)
+
+        carry = (
+            jnp.int32(0),
+            tokens,
+            cache,
+            jnp.zeros((decode_steps, rows), jnp.int32),
+            jnp.zeros((decode_steps, rows), jnp.float32),
+            stopped,
+        )
+        steps, _, cache, out_tokens, out_logprobs, _ = jax.lax.while_loop(running, body, carry)
+        return out_tokens, out_logprobs, steps, jax.tree.leaves(cache)
+
+    def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1):
+        """Runs one step; returns (outputs as device arrays: tokens [n, S], logprobs [n, S], steps) and the
+        updated cache. ``decode_steps`` > 1 only for decode steps (one token per row)."""
+        if decode_steps > 1 and inputs.layout.tokens != 1:
+            raise ValueError("several steps per dispatch are for decode steps only (one token per row)")
+        leaves, cache_tree = jax.tree.flatten(cache)
+        key = (inputs.ints.shape, inputs.layout, placement, decode_steps, inputs.filters)
+        first = key not in self._compiled
+        start = time.monotonic()
+        tokens, logprobs, steps, leaves = self._step(
+            self.param_leaves,
+            leaves,
+            inputs.ints,
+            inputs.floats,
+            cache_tree=cache_tree,
+            layout=inputs.layout,
+            placement=placement,
+            decode_steps=decode_steps,
+            filters=inputs.filters,
+        )
+        if first:
+            self._compiled.add(key)
+            if self.log is not None:
+                rows, width = inputs.ints.shape[0], inputs.layout.tokens
+                what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
+                filters = ", top-k/top-p sampler" if inputs.filters else ""
+                self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
+        return (tokens, logprobs, steps), cache_tree.unflatten(leaves)
 
     def warm_up(
         self,
@@ -142,15 +308,26 @@ class StepRunner:
         shapes: Sequence[tuple[int, int]],
         cache_manager: CacheManager,
         placement: Placement,
+        decode_steps: int = 1,
         progress: Callable[[str], None] | None = None,
+        both_samplers: bool = False,
     ):
-        """Compile every bucket now (padding-only inputs: all rows hit the sink), so serving never compiles."""
+        """Compile ``shapes`` now (padding-only inputs: all rows hit the sink), so serving them never waits.
+        ``both_samplers`` also compiles each shape's top-k/top-p sampler variant."""
         empty = ScheduledStep("prefill", (), ())
         start = time.monotonic()
-        for i, shape in enumerate(shapes, start=1):
-            inputs = build_inputs(empty, shape, cache_manager)
-            _, _, cache = self.run(cache, inputs, placement)
-            if progress is not None:
-                progress(f"compiling step {i}/{len(shapes)} (rows={shape[0]}, tokens={shape[1]}) "
-                         f"{time.monotonic() - start:.0f}s")
+        variants = [(shape, filters) for shape in shapes for filters in ((False, True) if both_samplers else (False,))]
+        log, self.log = self.log, None
+        try:
+            for i, (shape, filters) in enumerate(variants, start=1):
+                if progress is not None:
+                    progress(f"compiling step {i}/{len(variants)} (rows={shape[0]}, tokens={shape[1]}"
+                             f"{', top-k/top-p sampler' if filters else ''}), {time.monotonic() - start:.0f}s so far")
+                inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters)
+                _, cache = self.run(cache, inputs, placement, decode_steps if shape[1] == 1 else 1)
+        finally:
+            self.log = log
+        if progress is not None:
+            progress(f"compiled {len(variants)} steps in {time.monotonic() - start:.1f}s; other shapes compile "
+                     f"when first needed")
         return cache

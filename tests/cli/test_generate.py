@@ -27,7 +27,7 @@ from tests.engine.test_tokenizer import write_tiny_tokenizer
 CASE = os.path.join(GOLDENS, "supernet_swa")
 # Small engine: few, small buckets to compile.
 ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-chunk", "16", "--max-prefill-rows", "2",
-          "--page-size", "4", "--dtype", "float32", "--no-warm-up"]
+          "--page-size", "4", "--dtype", "float32", "--warm-up", "none"]
 
 
 def _console_script() -> list[str]:

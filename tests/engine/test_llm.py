@@ -80,17 +80,19 @@ def test_alone_and_batched_with_other_lengths_agree(hybrid):
     np.testing.assert_array_equal(np.array(alone), case.greedy_ids["mamba"])
 
 
-@pytest.mark.parametrize("usable_pages, where", [(10, "prefill"), (13, "decode")])
-def test_preemption_mid_prefill_and_mid_decode_gives_the_same_tokens(hybrid, usable_pages, where):
-    """Four requests of 21 + 8 tokens (8 pages of 4 each) share 10 or 13 pages of full attention: with 10, two
-    prompts never both finish prefilling; with 13 they do, and decoding then runs out of pages."""
+@pytest.mark.parametrize("usable_pages, where, decode_steps", [(10, "prefill", 8), (13, "decode", 1), (12, "decode", 8)])
+def test_preemption_mid_prefill_and_mid_decode_gives_the_same_tokens(hybrid, usable_pages, where, decode_steps):
+    """Four requests of 21 + 8 tokens (8 pages of 4 each) share 10, 12 or 13 pages of full attention: with 10,
+    two prompts never both finish prefilling; with 12 or 13 they do, and decoding then runs out of pages (with
+    several decode steps per dispatch a row that cannot get pages for all of them runs one step, so only a
+    full pool preempts)."""
     case, model, _ = hybrid
     placement = resolve_placement(model.config, "mamba", case.placements)
     layout = cache_layout(model.config, placement, 4)
     roomy = plan_cache(layout, budget_bytes=2**30, page_size=4, max_num_seqs=4, max_model_len=32, max_chunk=8)
     full = next(f for f in layout.attention if f.window is None)
     fixed = sum(v for k, v in roomy.bytes.items() if k != "full")
-    llm = _engine(hybrid, cache_bytes=fixed + (usable_pages + 1) * 4 * full.token_bytes)
+    llm = _engine(hybrid, cache_bytes=fixed + (usable_pages + 1) * 4 * full.token_bytes, decode_steps=decode_steps)
     assert llm.plan.pages["full"] == usable_pages + 1
     outputs = llm.generate(_prompts(case) * 2, GREEDY)
     expected = np.concatenate([case.greedy_ids["mamba"]] * 2)
@@ -122,7 +124,9 @@ def test_buckets_larger_than_the_state_slots_stay_in_bounds(hybrid):
     llm = _engine(hybrid, max_num_seqs=2, buckets=Buckets((8,), (8,), (8,)), warm_up=True)
     assert llm.plan.slots == 3  # two live slots and the sink, while a bucket has 8 rows
     inputs = build_inputs(ScheduledStep("decode", (), ()), (8, 1), llm.cache_manager)
-    assert (inputs.batch.slots == 0).all() and all((t == 0).all() for t in inputs.batch.tables.values())
+    col = inputs.layout.columns
+    assert (inputs.ints[:, col["slot"]] == 0).all() and (inputs.ints[:, col["length"]] == 0).all()
+    assert all((inputs.ints[:, col[f"tables/{f}"]] == 0).all() for f, _ in inputs.layout.table_widths)
     # Warm-up ran every bucket on padding only: live slots and pages are untouched (still zero).
     for layer in llm._cache:
         for array in layer.values():
@@ -162,3 +166,54 @@ def test_prompt_longer_than_context_is_rejected(hybrid):
     llm = _engine(hybrid)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[3] * 40], GREEDY)
+
+
+def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
+    """Greedy, seeded top-k/top-p sampling, stop ids hit mid-dispatch, budgets ending mid-dispatch and the
+    context limit: a dispatch of up to 5 decode steps per row reproduces one step per dispatch exactly."""
+    case = hybrid[0]
+    rng = np.random.default_rng(1)
+    prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 26, 9)]
+    one = _engine(hybrid, decode_steps=1)
+    reference = one.generate(prompts[:1], GREEDY)[0].token_ids
+    stop_id = reference[4]  # the greedy run of prompt 0 emits it at its fifth token
+    params = [SamplingParams.greedy(max_new_tokens=8, stop_token_ids=(stop_id,)),
+              SamplingParams(temperature=0.9, top_k=7, top_p=0.8, seed=5, max_new_tokens=7),
+              SamplingParams(temperature=1.1, seed=9, max_new_tokens=6),
+              SamplingParams.greedy(max_new_tokens=12, ignore_eos=True),  # 26 + 12 > max_model_len 32
+              SamplingParams.greedy(max_new_tokens=3, logprobs=True)]
+    expected = one.generate(prompts, params)
+    many = _engine(hybrid, decode_steps=5)
+    got = many.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
+    np.testing.assert_allclose(got[4].logprobs, expected[4].logprobs, rtol=1e-6)
+    assert got[0].token_ids == reference[:5] and got[0].finish_reason == "stop"
+    assert got[3].finish_reason == "length" and len(got[3].token_ids) == 32 - 26
+    assert many.stats.decode_dispatches < one.stats.decode_dispatches
+    assert many.stats.decode_tokens == one.stats.decode_tokens - len(reference) + 1  # one also ran the reference
+
+
+def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
+    case, model, _ = hybrid
+    lines = []
+    llm = _engine(hybrid, step_runner=StepRunner(model, log=lines.append), warm_up="few", log=lines.append,
+                  buckets=Buckets((1, 2, 4), (4,), (8,)))
+    assert llm.runner.compilations == 2  # decode at 1 and at 4 rows
+    assert any("compiled 2 steps" in line for line in lines)
+    lines.clear()
+    llm.generate(_prompts(case)[:1], SamplingParams.greedy(max_new_tokens=2))
+    assert llm.runner.compilations == 3  # the prefill shape, once
+    assert [line for line in lines if line.startswith("compiled step")] == [
+        lines[-1]] and "prefill rows=4 tokens=8" in lines[-1]
+
+
+def test_default_buckets_never_pad_a_prefill_step_past_the_token_budget():
+    buckets = Buckets.default(max_num_seqs=64, max_prefill_rows=64, max_chunk=8192, max_tokens=8192)
+    shapes = buckets.prefill_shapes()
+    assert all(rows * tokens <= 8192 for rows, tokens in shapes)
+    assert (64, 128) in shapes and (1, 8192) in shapes and (8, 1024) in shapes
+    assert buckets.pick("prefill", 3, 1000) == (4, 1024)
+    assert buckets.pick("prefill", 1, 5000) == (1, 8192)
+    with pytest.raises(ValueError, match="no bucket"):
+        buckets.pick("prefill", 2, 5000)  # the scheduler never builds it: two rows padded to 8192 each

@@ -242,6 +242,20 @@ def test_disabled_filters_do_not_change_draws():
     assert tokens[0] in np.argsort(-logits[0])[:2]
 
 
+def test_sampler_without_filters_matches_when_no_row_uses_them():
+    """The engine runs ``filters=False`` for steps whose rows use neither top-k nor top-p; it must draw exactly
+    what the full sampler draws for such rows (greedy and plain temperature sampling)."""
+    logits = _random_logits(seed=8)
+    temperature = np.where(np.arange(R) % 2 == 0, 0.0, 0.7).astype(np.float32)
+    args = (logits, temperature, np.zeros(R, np.int32), np.ones(R, np.float32), make_keys(np.arange(R) + 7, np.zeros(R)))
+    full = jax.jit(lambda *a: sample(*a, filters=True))(*args)
+    plain = jax.jit(lambda *a: sample(*a, filters=False))(*args)
+    np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(full[0]))
+    np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(full[1]))
+    # The variant without filters has no branch on device data (a cond would sync the host every step).
+    assert "cond" not in jax.make_jaxpr(lambda *a: sample(*a, filters=False))(*args).pretty_print()
+
+
 def test_bf16_logits_accepted():
     logits = _random_logits(seed=6)
     tokens, logprobs = _run(jax.numpy.asarray(logits, jax.numpy.bfloat16), 0.0, 0, 1.0, np.arange(R))

@@ -13,7 +13,15 @@ from apriel2_jax.engine.scheduler import Request, RequestStatus, Scheduler, Sche
 MAX_LEN = 96
 
 
-def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages):
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def _padded(rows, longest):
+    return _pow2(rows) * _pow2(longest)
+
+
+def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages, decode_steps=1, padded=None):
     layout = CacheLayout(
         (AttentionFamily("window_%d" % window, window, (1,), 4), AttentionFamily("full", None, (0,), 4)),
         StateFamily((2, 3), 64),
@@ -21,10 +29,11 @@ def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages):
     full_pages = -(-MAX_LEN // page_size) + extra_pages  # tight: forces preemption under load
     budget = (max_num_seqs + 1) * 64 + 10**9
     plan = plan_cache(layout, budget_bytes=budget, page_size=page_size, max_num_seqs=max_num_seqs,
-                      max_model_len=MAX_LEN, max_chunk=chunk)
+                      max_model_len=MAX_LEN, max_chunk=max(chunk, decode_steps))
     plan = type(plan)(plan.page_size, dict(plan.pages, full=full_pages + 1), plan.table_width, plan.slots, plan.bytes)
     manager = CacheManager(layout, plan)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, chunk, 3), manager)
+    config = SchedulerConfig(max_num_seqs, budget_tokens, chunk, 3, decode_steps, MAX_LEN, padded)
+    return Scheduler(config, manager)
 
 
 def _check_step(scheduler, step):
@@ -34,9 +43,21 @@ def _check_step(scheduler, step):
         assert row.request.status is RequestStatus.RUNNING
         assert row.start == row.request.num_computed and row.length >= 1
         assert row.start + row.length <= row.request.num_tokens
+    cfg = scheduler.config
     if step.kind == "decode":
         assert all(row.length == 1 and row.samples for row in step.rows)
+        for row in step.rows:
+            request = row.request
+            assert 1 <= row.budget <= cfg.decode_steps
+            assert row.budget <= request.params.max_new_tokens - len(request.output_ids)
+            assert request.num_tokens + row.budget <= MAX_LEN
+            blocks = scheduler.cache.blocks(request.request_id)
+            # Pages exist for every position the step may write.
+            held = (blocks.first_page["full"] + len(blocks.tables["full"])) * scheduler.cache.page_size
+            assert held >= row.start + row.budget
     else:
+        if cfg.padded_size is not None and len(step.rows) > 1:
+            assert cfg.padded_size(len(step.rows), max(r.length for r in step.rows)) <= cfg.max_num_batched_tokens
         assert step.num_tokens <= scheduler.config.max_num_batched_tokens
         assert len(step.rows) <= scheduler.config.max_prefill_rows
         assert all(row.length <= scheduler.config.max_chunk for row in step.rows)
@@ -67,13 +88,16 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
             assert not scheduler.running and not scheduler.waiting
             continue
         _check_step(scheduler, step)
-        scheduler.complete(step)
+        # A decode row may stop anywhere within its budget (a stop token on the device).
+        fed = {row.request: rng.randint(1, row.budget) for row in step.rows if step.kind == "decode"}
+        scheduler.complete(step, fed)
         for row in step.rows:
             request = row.request
             if not row.samples:
                 continue
             last_progress = steps_run
-            request.output_ids.append(rng.randrange(50))
+            for _ in range(fed.get(request, 1)):
+                request.output_ids.append(rng.randrange(50))
             if len(request.output_ids) >= request.params.max_new_tokens or rng.random() < 0.02:
                 scheduler.finish(request, "length")
                 del live[request.request_id]
@@ -83,7 +107,7 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
     return steps_run
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     page_size=st.sampled_from([1, 4, 16]),
@@ -94,12 +118,16 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
     extra_pages=st.integers(0, 12),
     arrival_rate=st.floats(0.1, 0.9),
     abort_rate=st.floats(0.0, 0.1),
+    decode_steps=st.integers(1, 5),
+    padded=st.booleans(),
 )
 def test_random_traffic_keeps_every_invariant(
-    seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate
+    seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate,
+    decode_steps, padded,
 ):
     chunk = max(1, int(budget * chunk_fraction))
-    scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages)
+    scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages, decode_steps,
+                        _padded if padded else None)
     steps = _simulate(scheduler, random.Random(seed), 500, arrival_rate, abort_rate)
     assert steps >= 500
     # Everything finished or aborted: nothing in use anywhere.

@@ -1,0 +1,23 @@
+"""Serving defaults shared by ``LLM`` and the ``apriel2-generate`` CLI (no JAX import: the CLI reads them
+before it loads anything)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDefaults:
+    """Serving defaults shared by ``LLM`` and the CLI: sized for throughput on one GPU, like vLLM's (a token
+    budget of 8192 per step and no separate cap on the rows of a prefill step)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    page_size: int = 16
+    decode_steps: int = 8
+    cache_memory_fraction: float = 0.85
+    warm_up: str = "few"
+
+
+DEFAULTS = EngineDefaults()
+WARM_UP_CHOICES = ("none", "few", "all")
