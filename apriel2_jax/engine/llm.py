@@ -30,7 +30,7 @@ from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from .step import Buckets, StepRunner, build_inputs, device_stop_ids
+from .step import Buckets, StepRunner, build_inputs, device_stop_ids, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -314,10 +314,9 @@ class LLM:
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
         t0 = time.monotonic()
-        (tokens, logprobs, steps), self._cache = self.runner.run(
-            self._cache, inputs, self.placement, self.decode_steps if decode else 1
-        )
-        tokens, logprobs, steps = np.asarray(tokens), np.asarray(logprobs), int(steps)
+        packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1)
+        outputs = unpack_outputs(packed)
+        tokens, logprobs, steps = outputs.tokens, outputs.logprobs, outputs.steps
         elapsed = time.monotonic() - t0
         # Tokens each row generated: the device stops a row at its budget or one of its stop ids.
         fed = {}

@@ -28,7 +28,7 @@ from ..modules import Apriel2ForCausalLM
 from ..modules.paged import PagedBatch
 from ..placement import Placement
 from .cache_manager import CacheManager
-from .sampling import keys_from_words, sample, seeds_to_words
+from .sampling import keys_from_words, sample
 from .scheduler import ScheduledStep
 
 # Stop ids checked on the device per row (EOS ids and the request's stop_token_ids); a request with more is
@@ -151,25 +151,29 @@ def build_inputs(
     floats = np.zeros((rows, 2), np.float32)
     floats[:, 1] = 1.0
     ints[:, col["stop_ids"]] = -1
+    seed_words = np.zeros((rows, 2), np.uint32)
     filters = False
+    first_token = col["tokens"].start
     for i, row in enumerate(step.rows):
         request = row.request
-        ints[i, col["tokens"].start : col["tokens"].start + row.length] = [
-            request.token(p) for p in range(row.start, row.start + row.length)
-        ]
+        end, prompt = row.start + row.length, len(request.prompt_ids)
+        if end <= prompt:
+            ints[i, first_token : first_token + row.length] = request.prompt_ids[row.start : end]
+        else:
+            ints[i, first_token : first_token + row.length] = [request.token(p) for p in range(row.start, end)]
         params = request.params
-        seed = seeds_to_words([request.seed])[0].view(np.int32)
+        seed_words[i] = request.seed >> 32, request.seed & 0xFFFFFFFF
         ints[i, col["start"].start] = row.start
         ints[i, col["length"].start] = row.length
         ints[i, col["fresh"].start] = row.start == 0
         ints[i, col["top_k"].start] = min(params.top_k, np.iinfo(np.int32).max)  # larger means "no limit" anyway
-        ints[i, col["seed_hi"].start], ints[i, col["seed_lo"].start] = seed
         ints[i, col["counter"].start] = len(request.output_ids)
         ints[i, col["budget"].start] = 1 if budgets is None else budgets[i]
         stop = device_stop_ids(request, eos_token_ids)
         ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
         floats[i] = params.temperature, params.top_p
         filters |= not params.is_greedy and (0 < params.top_k or params.top_p < 1.0)
+    ints[:, col["seed_hi"].start : col["seed_lo"].start + 1] = seed_words.view(np.int32)
     ints[:, col["slot"].start] = tables.slots
     for family, table in tables.tables.items():
         ints[:, col[f"first_page/{family}"].start] = tables.first_page[family]
@@ -208,9 +212,21 @@ def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
-    tokens: np.ndarray  # [steps, rows] int32: the token sampled at each iteration
-    logprobs: np.ndarray  # [steps, rows] float32
+    tokens: np.ndarray  # [n, rows] int32: the token sampled at each iteration (rows past ``steps``: unset)
+    logprobs: np.ndarray  # [n, rows] float32
     steps: int  # iterations the device ran (decode: 1..decode_steps; prefill: 1)
+
+
+def _pack_outputs(tokens: jax.Array, logprobs: jax.Array, steps: jax.Array) -> jax.Array:
+    """One int32 array [2n + 1, rows], so the host reads a step's results with a single transfer."""
+    bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([tokens, bits, jnp.full((1, tokens.shape[1]), steps, jnp.int32)])
+
+
+def unpack_outputs(packed) -> StepOutputs:
+    packed = np.asarray(packed)
+    n = (packed.shape[0] - 1) // 2
+    return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), int(packed[-1, 0]))
 
 
 class StepRunner:
@@ -244,7 +260,7 @@ class StepRunner:
 
         if decode_steps == 1:
             next_tokens, logprobs, cache = one(tokens, batch, cache, 0)
-            return next_tokens[None], logprobs[None], jnp.int32(1), jax.tree.leaves(cache)
+            return _pack_outputs(next_tokens[None], logprobs[None], jnp.int32(1)), jax.tree.leaves(cache)
 
         rows = ints.shape[0]
         stopped = scalar["budget"] <= 0  # padding rows
@@ -271,10 +287,10 @@ class StepRunner:
             stopped,
         )
         steps, _, cache, out_tokens, out_logprobs, _ = jax.lax.while_loop(running, body, carry)
-        return out_tokens, out_logprobs, steps, jax.tree.leaves(cache)
+        return _pack_outputs(out_tokens, out_logprobs, steps), jax.tree.leaves(cache)
 
     def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1):
-        """Runs one step; returns (outputs as device arrays: tokens [n, S], logprobs [n, S], steps) and the
+        """Runs one step; returns its outputs (a device array: pass it to :func:`unpack_outputs`) and the
         updated cache. ``decode_steps`` > 1 only for decode steps (one token per row)."""
         if decode_steps > 1 and inputs.layout.tokens != 1:
             raise ValueError("several steps per dispatch are for decode steps only (one token per row)")
@@ -282,7 +298,7 @@ class StepRunner:
         key = (inputs.ints.shape, inputs.layout, placement, decode_steps, inputs.filters)
         first = key not in self._compiled
         start = time.monotonic()
-        tokens, logprobs, steps, leaves = self._step(
+        outputs, leaves = self._step(
             self.param_leaves,
             leaves,
             inputs.ints,
@@ -300,7 +316,7 @@ class StepRunner:
                 what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
                 filters = ", top-k/top-p sampler" if inputs.filters else ""
                 self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
-        return (tokens, logprobs, steps), cache_tree.unflatten(leaves)
+        return outputs, cache_tree.unflatten(leaves)
 
     def warm_up(
         self,
