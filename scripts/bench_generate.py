@@ -13,7 +13,10 @@ bytes; inactive sub-mixers only cost memory). Measures, side by side in one proc
     the fraction of bf16 tensor-core peak its matmul FLOPs reach;
   * decode throughput of ``--batch`` sequences at context ``--prompt-len``, on caches admitted as prefilled
     (pages and slots allocated, contents not computed: timing does not depend on the values).
-Prints one table row; ``--json`` appends the row to a JSONL file.
+  * ``--capacity``: instead, as many requests of ``--prompt-len`` tokens as the cache holds (admitted as
+    prefilled) decode ``--output-len`` tokens each; reports the request count and output tokens/s (wall clock),
+    and each placement's ratio to the first placement given (put all-attention first).
+Prints one table row per placement and batch; ``--json`` appends the rows to a JSONL file.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from flax import nnx  # noqa: E402
 from apriel2_jax.benchmarking import (device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
                                       step_breakdown, trace_events)
 from apriel2_jax.config import parse_config  # noqa: E402
-from apriel2_jax.engine.cache_layout import cache_layout  # noqa: E402
+from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
 from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
 from apriel2_jax.engine.step import Buckets  # noqa: E402
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="prefill with the engine's default token budget, chunk and rows (ignores the three flags)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--capacity", action="store_true",
+                    help="decode as many requests as the cache holds (see above) instead of --batch")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
@@ -102,7 +107,11 @@ def main(argv=None) -> int:
     bandwidth = hbm_bandwidth()
     rows = []
     for name in args.placement:
-        rows += run_placement(args, raw, resolve_placement(supernet, name, named), name, bandwidth)
+        run = run_capacity if args.capacity else run_placement
+        rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth)
+    if args.capacity:
+        for row in rows:
+            row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
     print_rows(rows)
     if args.json:
         with open(args.json, "a") as f:
@@ -214,6 +223,60 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
         })
     del llm
     return rows
+
+
+def cache_capacity(layout, budget: int, page_size: int, max_len: int, limit: int = 4096) -> int:
+    """The most sequences of ``max_len`` tokens the cache holds at once (states, windows and full-attention
+    pages all counted), by bisection over max_num_seqs."""
+    def fits(n: int) -> bool:
+        try:
+            plan = plan_cache(layout, budget_bytes=budget, page_size=page_size, max_num_seqs=n,
+                              max_model_len=max_len, max_chunk=512)
+        except CacheConfigError:
+            return False
+        per_request = -(-max_len // page_size)
+        return all((plan.pages[f.key] - 1) >= n * per_request for f in layout.attention if f.window is None)
+
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
+    config = parse_config(pruned_config(raw, placement))
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    device = jax.devices()[0]
+    model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    max_len = args.prompt_len + args.output_len + args.page_size
+    stats = device.memory_stats() or {}
+    budget = int(stats.get("bytes_limit", 0) * 0.9) - int(stats.get("bytes_in_use", 0)) if stats else 2**28
+    layout = cache_layout(config, placement, np.dtype(dtype).itemsize)
+    count = cache_capacity(layout, budget, args.page_size, max_len)
+    print(f"{device.device_kind}: {name}: the cache holds {count} requests of {max_len} tokens", file=sys.stderr)
+    extra = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+    llm = LLM(model=model, max_num_seqs=count, max_model_len=max_len, page_size=args.page_size, cache_bytes=budget,
+              buckets=Buckets((count,), (1,), (512,)), max_num_batched_tokens=512, **extra)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, config.vocab_size, size=args.prompt_len)] for _ in range(count)]
+    params_d = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+    t0 = time.monotonic()
+    outputs = [e for e in llm.stream(prompts, params_d, assume_prefilled=True) if e.finished]
+    wall = time.monotonic() - t0
+    tokens = sum(len(e.output.token_ids) for e in outputs)
+    return [{
+        "device": device.device_kind, "date": time.strftime("%Y-%m-%d"),
+        "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name,
+        "params_B": round(params / 1e9, 3), "context": args.prompt_len, "new_tokens": args.output_len,
+        "requests": count, "output_tok_s": round(tokens / wall, 1),
+        "step_ms": round(llm.stats.decode_seconds / max(llm.stats.decode_steps, 1) * 1e3, 3),
+        "preemptions": llm.stats.preemptions,
+    }]
 
 
 if __name__ == "__main__":

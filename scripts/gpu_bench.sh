@@ -3,7 +3,10 @@
 # cases against fla) or "others" (Mamba/conv, decode update, paged attention). Each step has its own time limit
 # and the run goes on after a failure; each part's limits add up to less than the device tool's 600 s per
 # command (on a fresh machine the three prefill cases took up to ~200, ~90 and ~110 s: fla autotunes).
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others [--sweep]
+# PART "engine05b" / "engine15b": the serving engine on random weights of the 0.5B and 15B geometries (configs from
+# $CONFIGS, default ../shared/configs; carry a copy when the device lacks it): decode steps, prefill with the
+# engine's defaults, start-up from a cold and a warm compilation cache, and the 15B capacity benchmark.
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b [--sweep]
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -27,8 +30,27 @@ elif [ "$part" = others ]; then
   step decode 80 python3 scripts/sweep_decode.py --config 64,4,1,1,1 --json "$out/decode.json"
   step attention_decode 140 python3 scripts/bench_attention.py $sweep --json "$out/attention_decode.json"
   step attention_prefill 140 python3 scripts/bench_attention_prefill.py --mgpu --json "$out/attention_prefill.json"
+elif [ "$part" = engine05b ]; then
+  configs=${CONFIGS:-../shared/configs}
+  gen="python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --defaults"
+  step engine_05b 420 $gen --placement all-attention every2-kda a12-g1-k11 pure-gdn --batch 1 32 \
+    --prompt-len 1024 --output-len 64 --prefill-batch 32 --json "$out/engine_05b.jsonl"
+  # First token with defaults (a12-g1-k11 compiled slowest): start_up_s + first_prefill_s, cold then warm cache.
+  rm -rf "$out/xla_cache"
+  for state in cold warm; do
+    APRIEL2_JAX_CACHE_DIR="$out/xla_cache" step startup_$state 150 $gen --placement a12-g1-k11 --batch 1 \
+      --prompt-len 1024 --output-len 8 --prefill-batch 1 --json "$out/startup_$state.jsonl"
+  done
+  rm -rf "$out/xla_cache"
+elif [ "$part" = engine15b ]; then
+  configs=${CONFIGS:-../shared/configs}
+  gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
+  step engine_15b 270 $gen --placement all-attention reg-lklhd-10 --batch 8 --prompt-len 32768 --output-len 32 \
+    --prefill-batch 1 --json "$out/engine_15b.jsonl"
+  step capacity_15b 300 $gen --capacity --placement all-attention reg-lklhd-10 idealized-lklhd-6 \
+    --prompt-len 32768 --output-len 256 --json "$out/capacity_15b.jsonl"
 else
-  echo "PART must be prefill or others, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b or engine15b, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*
