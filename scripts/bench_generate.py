@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -147,7 +148,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
         max_num_seqs=max(batches[-1], args.prefill_batch),
         max_model_len=max_len,
         page_size=args.page_size,
-        cache_memory_fraction=0.9,
+        cache_memory_fraction=0.6,
         **engine,
     )
     start_up = time.monotonic() - t0
@@ -221,7 +222,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
             "first_prefill_s": round(first_run, 1),
             "compilations": llm.runner.compilations,
         })
-    del llm
+    del llm, model
+    gc.collect()  # the next placement's cache budget is what is free now
     return rows
 
 
@@ -269,7 +271,7 @@ def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> lis
     outputs = [e for e in llm.stream(prompts, params_d, assume_prefilled=True) if e.finished]
     wall = time.monotonic() - t0
     tokens = sum(len(e.output.token_ids) for e in outputs)
-    return [{
+    rows = [{
         "device": device.device_kind, "date": time.strftime("%Y-%m-%d"),
         "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name,
         "params_B": round(params / 1e9, 3), "context": args.prompt_len, "new_tokens": args.output_len,
@@ -277,6 +279,9 @@ def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> lis
         "step_ms": round(llm.stats.decode_seconds / max(llm.stats.decode_steps, 1) * 1e3, 3),
         "preemptions": llm.stats.preemptions,
     }]
+    del llm, model
+    gc.collect()
+    return rows
 
 
 if __name__ == "__main__":
