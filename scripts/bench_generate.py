@@ -148,7 +148,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
         max_num_seqs=max(batches[-1], args.prefill_batch),
         max_model_len=max_len,
         page_size=args.page_size,
-        cache_memory_fraction=0.6,
+        cache_memory_fraction=0.9,
         **engine,
     )
     start_up = time.monotonic() - t0
