@@ -95,10 +95,11 @@ def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, win
 
 
 def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
-                  min_programs: int = 1024, min_tokens_per_split: int = 512) -> int:
+                  min_programs: int = 1024, min_tokens_per_split: int = 128) -> int:
     """Number of K-splits: enough programs to fill the GPU (several waves of 132 SMs, so the tail wave is short)
     without splits so short that the per-split fixed cost and the combine dominate. ``max_tokens``: the widest
-    visible range a row can have (the table's span, or the window)."""
+    visible range a row can have (the table's span, or the window). 128 tokens per split at least: in the
+    engine's decode at B=1, context 1024 (0.5B geometry, H200) 128 gave a 1.19 ms step, 512 gave 1.30 ms."""
     want = -(-min_programs // (batch * groups))
     most = max(1, max_tokens // max(min_tokens_per_split, block_tokens))
     return max(1, min(want, most))

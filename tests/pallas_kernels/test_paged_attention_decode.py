@@ -127,3 +127,12 @@ def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
         for kw in ({}, dict(splits=1)):
             lowered = paged_attention_decode.trace(*args, window=window, **kw).lower(lowering_platforms=("cuda",))
             assert "triton" in lowered.as_text().lower()
+
+
+def test_choose_splits_fills_the_gpu_only_with_long_enough_splits():
+    from pallas_kernels.paged_attention_decode import choose_splits
+
+    assert choose_splits(1, 2, 1104, 64) == 8  # small batch, short context: splits of >= 128 tokens
+    assert choose_splits(8, 8, 32768, 64) == 16  # enough programs (1024) long before the split length binds
+    assert choose_splits(256, 8, 32768, 64) == 1
+    assert choose_splits(1, 1, 100, 64) == 1
