@@ -4,7 +4,10 @@ Each step is either a *decode* step (every running request whose tokens are all 
 one feeds that token: rows of length 1) or a *prefill* step (chunks of prompts, any chunk size, under a token
 budget). The two kinds alternate while both have work, so long prompts never starve decoding and decoding never
 blocks admission. A decode row costs one token slot; mixing it into a padded prefill step would cost a whole
-chunk, which is why the kinds are kept apart.
+chunk, which is why the kinds are kept apart. A decode row carries a *budget*: the tokens the step may generate
+for it in one dispatch (``decode_steps``, fewer near ``max_new_tokens`` or ``max_model_len``), with pages for
+all of them allocated up front; when they are not free the row gets a budget of one token (and the usual
+preemption), so speculative allocation never preempts anyone.
 
 A request is "done prefilling" once its cached length reaches ``num_tokens - 1``: the last token is either the
 last prompt token (fed in the final chunk, whose logits give the first sampled token) or a sampled token that
