@@ -99,53 +99,6 @@ def time_looped(step, inputs: list, carry, steps: int, repeats: int = 5):
     return statistics.median(times) / steps, carry
 
 
-def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str = "") -> dict:
-    """{kernel name: (count, median µs)} of the GPU kernels whose name contains ``match`` in a ``jax.profiler``
-    trace of ``calls`` calls of ``fn()``, as the device's stream tracks record them (CUPTI also records kernels
-    that torch launches, e.g. fla's). Empty where no GPU ran (CPU). The trace goes to ``trace_dir`` (a temporary
-    directory if None)."""
-    import glob
-    import gzip
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as scratch:
-        where = trace_dir or scratch
-        with jax.profiler.trace(where, create_perfetto_trace=True):
-            for _ in range(calls):
-                fn()
-        path = sorted(glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True))[-1]
-        with gzip.open(path) as f:
-            events = json.load(f)
-    return kernel_times(events, match)
-
-
-def per_call_us(times: dict, calls: int) -> float:
-    """The GPU µs per call of all kernels in ``times`` (``traced_kernel_times`` of ``calls`` calls)."""
-    return sum(count * median_us for count, median_us in times.values()) / calls
-
-
-def kernel_times(events, match: str = "") -> dict:
-    """{kernel name: (count, median µs)} from the events of a perfetto trace (a list, or a dict with
-    "traceEvents"). Only the GPU's stream tracks count: a kernel's name also marks its host-side launch (a few µs,
-    on a host thread), and a median over both sets is meaningless (it halved every kernel time reported before
-    2026-11-22, session 5)."""
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    durations: dict[str, list[float]] = {}
-    for e in events:
-        name = e.get("name", "")
-        if not (e.get("ph") == "X" and "dur" in e and match in name):
-            continue
-        track = e.get("pid"), e.get("tid")
-        if processes.get(track[0], "").startswith("/device:") and threads.get(track, "").startswith("Stream"):
-            durations.setdefault(name, []).append(float(e["dur"]))
-    return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}
-
-
 def trace_events(fn, calls: int, trace_dir: str | None = None) -> list:
     """The perfetto events of a ``jax.profiler`` trace of ``calls`` calls of ``fn()``."""
     import glob
@@ -164,6 +117,31 @@ def trace_events(fn, calls: int, trace_dir: str | None = None) -> list:
     return events["traceEvents"] if isinstance(events, dict) else events
 
 
+def traced_kernel_times(fn, calls: int, trace_dir: str | None = None, match: str = "") -> dict:
+    """{kernel name: (count, median µs)} of the GPU kernels whose name contains ``match`` in a ``jax.profiler``
+    trace of ``calls`` calls of ``fn()``, as the device's stream tracks record them (CUPTI also records kernels
+    that torch launches, e.g. fla's). Empty where no GPU ran (CPU). The trace goes to ``trace_dir`` (a temporary
+    directory if None)."""
+    return kernel_times(trace_events(fn, calls, trace_dir), match)
+
+
+def per_call_us(times: dict, calls: int) -> float:
+    """The GPU µs per call of all kernels in ``times`` (``traced_kernel_times`` of ``calls`` calls)."""
+    return sum(count * median_us for count, median_us in times.values()) / calls
+
+
+def kernel_times(events, match: str = "") -> dict:
+    """{kernel name: (count, median µs)} from the events of a perfetto trace (a list, or a dict with
+    "traceEvents"). Only the GPU's stream tracks count: a kernel's name also marks its host-side launch (a few µs,
+    on a host thread), and a median over both sets is meaningless (it halved every kernel time reported before
+    2026-11-22)."""
+    durations: dict[str, list[float]] = {}
+    for name, _, duration in device_intervals(events):
+        if match in name:
+            durations.setdefault(name, []).append(duration)
+    return {n: (len(d), statistics.median(d)) for n, d in sorted(durations.items())}
+
+
 def device_intervals(events) -> list[tuple[str, float, float]]:
     """(name, start µs, duration µs) of every event on the GPU's stream tracks (kernels, copies, memsets), by
     start time."""
@@ -178,7 +156,7 @@ def device_intervals(events) -> list[tuple[str, float, float]]:
             continue
         track = e.get("pid"), e.get("tid")
         if processes.get(track[0], "").startswith("/device:") and threads.get(track, "").startswith("Stream"):
-            out.append((e.get("name", ""), float(e["ts"]), float(e["dur"])))
+            out.append((e.get("name", ""), float(e.get("ts", 0.0)), float(e["dur"])))
     return sorted(out, key=lambda x: x[1])
 
 
