@@ -28,7 +28,8 @@ Grid order: heads are the fastest launch dimension, so the H/G query heads that 
 time and their K/V reads hit L2; query blocks run last-first, so the longest (causal) programs start first.
 
 ``paged_attention`` (the dispatch entry) uses this kernel; ``paged_attention_prefill_mgpu`` at the end of the file
-is an experimental Mosaic GPU (Hopper, FA3-style) version that has not run on a GPU yet.
+is an experimental Mosaic GPU (Hopper, FA3-style) version: correct on an H100 and faster (0.84-0.94x cuDNN against
+the Triton kernel's 0.57-0.70x, docs/BENCHMARKS.md), not dispatched.
 """
 
 from __future__ import annotations

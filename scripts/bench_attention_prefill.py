@@ -21,8 +21,8 @@ Cases (bf16, D = 128, page size 64):
 Times are medians over samples of ``--inner`` back-to-back calls after a warm-up; the bf16 matmul peak is
 measured (8192^3 ``jnp.dot``) and every TFLOP/s is also given as a share of it. ``--sweep`` times every
 configuration on case (a) 32/8 and uses the fastest for the whole table. ``--mgpu`` adds the experimental Mosaic
-GPU kernel (``--mgpu-config block_q,block_k,stages,ping_pong``; with ``--sweep`` stages and ping-pong are swept); it has never
-run on a GPU before, so run it under ``timeout`` (a barrier bug would hang rather than fail). Progress lines go to stderr; one table
+GPU kernel (``--mgpu-config block_q,block_k,stages,ping_pong``; with ``--sweep`` stages and ping-pong are swept); run
+it under ``timeout``: a barrier bug in a new configuration would hang rather than fail. Progress lines go to stderr; one table
 to stdout at the end; ``--json PATH`` writes everything.
 """
 
