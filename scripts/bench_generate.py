@@ -121,16 +121,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
+def random_model(args, raw: dict, placement, name: str):
+    """(config, model, parameter count, dtype) of random weights of the placement's pruned supernet."""
     config = parse_config(pruned_config(raw, placement))
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    dtype_bytes = np.dtype(dtype).itemsize
-    device = jax.devices()[0]
     t0 = time.monotonic()
     model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"{device.device_kind}: random {params / 1e9:.2f}B-parameter model ({name}) in "
+    print(f"{jax.devices()[0].device_kind}: random {params / 1e9:.2f}B-parameter model ({name}) in "
           f"{time.monotonic() - t0:.0f}s", file=sys.stderr)
+    return config, model, params, dtype
+
+
+def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
+    config, model, params, dtype = random_model(args, raw, placement, name)
+    dtype_bytes = np.dtype(dtype).itemsize
+    device = jax.devices()[0]
 
     max_len = args.prompt_len + args.output_len + args.page_size
     batches = sorted(set(args.batch))
@@ -250,11 +256,8 @@ def cache_capacity(layout, budget: int, page_size: int, max_len: int, limit: int
 
 
 def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
-    config = parse_config(pruned_config(raw, placement))
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    config, model, params, dtype = random_model(args, raw, placement, name)
     device = jax.devices()[0]
-    model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     max_len = args.prompt_len + args.output_len + args.page_size
     stats = device.memory_stats() or {}
     budget = int(stats.get("bytes_limit", 0) * 0.9) - int(stats.get("bytes_in_use", 0)) if stats else 2**28

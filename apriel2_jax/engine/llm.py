@@ -30,11 +30,9 @@ from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from .step import Buckets, StepRunner, build_inputs, device_stop_ids, unpack_outputs
+from .step import Buckets, StepRunner, build_inputs, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
-
-
 
 
 @dataclasses.dataclass
@@ -316,23 +314,14 @@ class LLM:
         t0 = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1)
         outputs = unpack_outputs(packed)
-        tokens, logprobs, steps = outputs.tokens, outputs.logprobs, outputs.steps
+        tokens, logprobs = outputs.tokens, outputs.logprobs
         elapsed = time.monotonic() - t0
-        # Tokens each row generated: the device stops a row at its budget or one of its stop ids.
-        fed = {}
-        for i, row in enumerate(step.rows):
-            if decode:
-                stops = set(device_stop_ids(row.request, self.config.eos_token_ids))
-                count = min(steps, row.budget)
-                for j in range(count):
-                    if int(tokens[j, i]) in stops:
-                        count = j + 1
-                        break
-                fed[row.request] = count
+        # Tokens each decode row generated before the device stopped it (its budget or one of its stop ids).
+        fed = {row.request: int(outputs.counts[i]) for i, row in enumerate(step.rows)} if decode else {}
         self.stats.steps += 1
         if decode:
             self.stats.decode_dispatches += 1
-            self.stats.decode_steps += steps
+            self.stats.decode_steps += outputs.steps
             self.stats.decode_tokens += sum(fed.values())
             self.stats.decode_seconds += elapsed
         else:

@@ -175,6 +175,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature <= GREEDY_TEMPERATURE
 
+    @property
+    def uses_filters(self) -> bool:
+        """Whether top-k or top-p changes this request's draws (the sampler variant that has them is needed)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 def stack_params(params: Sequence[SamplingParams], rows: int | None = None) -> tuple[np.ndarray, ...]:
     """Per-row ``(temperature f32[R], top_k i32[R], top_p f32[R])`` for :func:`sample`.

@@ -128,8 +128,9 @@ class StepInputs:
     filters: bool  # some row samples with top-k or top-p (selects the sampler variant)
 
 
-def device_stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
-    """The ids that stop ``request`` on the device (a subset of what the host's stop check finishes it on)."""
+def _device_stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids that stop ``request`` on the device: a subset of what the host's stop check finishes it on, so
+    a row the device keeps running past a stop is still finished there."""
     params = request.params
     ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
     return ids[:DEVICE_STOP_IDS]
@@ -169,10 +170,10 @@ def build_inputs(
         ints[i, col["top_k"].start] = min(params.top_k, np.iinfo(np.int32).max)  # larger means "no limit" anyway
         ints[i, col["counter"].start] = len(request.output_ids)
         ints[i, col["budget"].start] = 1 if budgets is None else budgets[i]
-        stop = device_stop_ids(request, eos_token_ids)
+        stop = _device_stop_ids(request, eos_token_ids)
         ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
         floats[i] = params.temperature, params.top_p
-        filters |= not params.is_greedy and (0 < params.top_k or params.top_p < 1.0)
+        filters |= params.uses_filters
     ints[:, col["seed_hi"].start : col["seed_lo"].start + 1] = seed_words.view(np.int32)
     ints[:, col["slot"].start] = tables.slots
     for family, table in tables.tables.items():
@@ -212,21 +213,26 @@ def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
-    tokens: np.ndarray  # [n, rows] int32: the token sampled at each iteration (rows past ``steps``: unset)
+    tokens: np.ndarray  # [n, rows] int32: the token sampled at each iteration
     logprobs: np.ndarray  # [n, rows] float32
-    steps: int  # iterations the device ran (decode: 1..decode_steps; prefill: 1)
+    counts: np.ndarray  # [rows] iterations each row ran before it stopped: its valid tokens are tokens[:count]
+
+    @property
+    def steps(self) -> int:
+        """Iterations the device ran (decode: 1..decode_steps; prefill: 1)."""
+        return int(self.counts.max(initial=1))
 
 
-def _pack_outputs(tokens: jax.Array, logprobs: jax.Array, steps: jax.Array) -> jax.Array:
+def _pack_outputs(tokens: jax.Array, logprobs: jax.Array, counts: jax.Array) -> jax.Array:
     """One int32 array [2n + 1, rows], so the host reads a step's results with a single transfer."""
     bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
-    return jnp.concatenate([tokens, bits, jnp.full((1, tokens.shape[1]), steps, jnp.int32)])
+    return jnp.concatenate([tokens, bits, counts[None].astype(jnp.int32)])
 
 
 def unpack_outputs(packed) -> StepOutputs:
     packed = np.asarray(packed)
     n = (packed.shape[0] - 1) // 2
-    return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), int(packed[-1, 0]))
+    return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[-1])
 
 
 class StepRunner:
@@ -238,7 +244,6 @@ class StepRunner:
         self.param_leaves, self.param_tree = jax.tree.flatten(params)
         self.compilations = 0
         self.log = log
-        self._compiled: set = set()
         self._step = jax.jit(
             self._step_fn, static_argnames=("cache_tree", "layout", "placement", "decode_steps", "filters"), donate_argnums=(1,)
         )
@@ -258,24 +263,26 @@ class StepRunner:
             )
             return next_tokens, logprobs, cache
 
+        rows = ints.shape[0]
         if decode_steps == 1:
             next_tokens, logprobs, cache = one(tokens, batch, cache, 0)
-            return _pack_outputs(next_tokens[None], logprobs[None], jnp.int32(1)), jax.tree.leaves(cache)
+            counts = jnp.ones((rows,), jnp.int32)
+            return _pack_outputs(next_tokens[None], logprobs[None], counts), jax.tree.leaves(cache)
 
-        rows = ints.shape[0]
         stopped = scalar["budget"] <= 0  # padding rows
 
         def body(carry):
-            i, tokens, cache, out_tokens, out_logprobs, stopped = carry
+            i, tokens, cache, out_tokens, out_logprobs, stopped, counts = carry
             step_batch = _as_padding(dataclasses.replace(batch, positions=batch.positions + i), stopped)
             next_tokens, logprobs, cache = one(tokens, step_batch, cache, i)
             out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, next_tokens, i, 0)
             out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, logprobs, i, 0)
+            counts = counts + (~stopped).astype(jnp.int32)
             hit = jnp.any(next_tokens[:, None] == stop_ids, axis=1) | (i + 1 >= scalar["budget"])
-            return i + 1, next_tokens[:, None], cache, out_tokens, out_logprobs, stopped | hit
+            return i + 1, next_tokens[:, None], cache, out_tokens, out_logprobs, stopped | hit, counts
 
         def running(carry):
-            i, stopped = carry[0], carry[-1]
+            i, stopped = carry[0], carry[5]
             return (i < decode_steps) & ~jnp.all(stopped)
 
         carry = (
@@ -285,9 +292,10 @@ class StepRunner:
             jnp.zeros((decode_steps, rows), jnp.int32),
             jnp.zeros((decode_steps, rows), jnp.float32),
             stopped,
+            jnp.zeros((rows,), jnp.int32),
         )
-        steps, _, cache, out_tokens, out_logprobs, _ = jax.lax.while_loop(running, body, carry)
-        return _pack_outputs(out_tokens, out_logprobs, steps), jax.tree.leaves(cache)
+        _, _, cache, out_tokens, out_logprobs, _, counts = jax.lax.while_loop(running, body, carry)
+        return _pack_outputs(out_tokens, out_logprobs, counts), jax.tree.leaves(cache)
 
     def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1):
         """Runs one step; returns its outputs (a device array: pass it to :func:`unpack_outputs`) and the
@@ -295,9 +303,7 @@ class StepRunner:
         if decode_steps > 1 and inputs.layout.tokens != 1:
             raise ValueError("several steps per dispatch are for decode steps only (one token per row)")
         leaves, cache_tree = jax.tree.flatten(cache)
-        key = (inputs.ints.shape, inputs.layout, placement, decode_steps, inputs.filters)
-        first = key not in self._compiled
-        start = time.monotonic()
+        compilations, start = self.compilations, time.monotonic()
         outputs, leaves = self._step(
             self.param_leaves,
             leaves,
@@ -309,13 +315,11 @@ class StepRunner:
             decode_steps=decode_steps,
             filters=inputs.filters,
         )
-        if first:
-            self._compiled.add(key)
-            if self.log is not None:
-                rows, width = inputs.ints.shape[0], inputs.layout.tokens
-                what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
-                filters = ", top-k/top-p sampler" if inputs.filters else ""
-                self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
+        if self.compilations > compilations and self.log is not None:  # this call traced (and compiled) a shape
+            rows, width = inputs.ints.shape[0], inputs.layout.tokens
+            what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
+            filters = ", top-k/top-p sampler" if inputs.filters else ""
+            self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
         return outputs, cache_tree.unflatten(leaves)
 
     def warm_up(
