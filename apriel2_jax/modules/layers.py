@@ -22,9 +22,14 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        # Set on the per-device model of a tensor-parallel run (``apriel2_jax.tensor_parallel``) for the output
+        # projections, whose input is split over the mesh: partial products are summed, then the bias added once.
+        self.reduce_axis: str | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        if self.reduce_axis is not None:
+            y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -66,9 +66,17 @@ class Decoder(nnx.Module):
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (vocab_size, hidden_size))).astype(dtype))
+        # Tensor parallel: this device holds vocabulary rows [index * rows, (index + 1) * rows) of the mesh axis.
+        self.vocab_axis: str | None = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        if self.vocab_axis is None:
+            return jnp.take(self.weight[...], ids, axis=0)
+        rows = self.weight.shape[0]
+        local = ids - jax.lax.axis_index(self.vocab_axis) * rows
+        here = (local >= 0) & (local < rows)
+        x = jnp.take(self.weight[...], jnp.where(here, local, 0), axis=0)
+        return jax.lax.psum(jnp.where(here[..., None], x, jnp.zeros_like(x)), self.vocab_axis)
 
 
 class Apriel2Model(nnx.Module):
@@ -85,6 +93,10 @@ class Apriel2ForCausalLM(nnx.Module):
         self.dtype = dtype
         self.model = Apriel2Model(config, dtype=dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype=dtype, rngs=rngs)
+        # Tensor parallel: logits are computed for this device's vocabulary rows, gathered over the mesh axis and
+        # cut to the checkpoint's vocabulary (the split pads it to a multiple of the mesh size).
+        self.vocab_axis: str | None = None
+        self.vocab_size = config.vocab_size
 
     def init_cache(self, batch: int, max_len: int, placement: Placement) -> Cache:
         """Empty per-layer states for ``batch`` sequences of up to ``max_len`` tokens under ``placement``."""
@@ -118,8 +130,13 @@ class Apriel2ForCausalLM(nnx.Module):
 
     def _logits(self, x: jax.Array) -> jax.Array:
         if self.lm_head is not None:
-            return self.lm_head(x)
-        return jnp.einsum("...d,vd->...v", x, self.model.embed_tokens.weight[...])
+            logits = self.lm_head(x)
+        else:
+            logits = jnp.einsum("...d,vd->...v", x, self.model.embed_tokens.weight[...])
+        if self.vocab_axis is None:
+            return logits
+        logits = jax.lax.all_gather(logits, self.vocab_axis, axis=logits.ndim - 1, tiled=True)
+        return logits[..., : self.vocab_size]
 
     def __call__(
         self,
