@@ -17,10 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from .config import Apriel2Config, load_config
 from .modules import Apriel2ForCausalLM
 from .safetensors_io import CheckpointError, index_checkpoint, read_tensor
+from .sharding import AXIS, make_mesh, plan_tensor_parallel
+from .tensor_parallel import ShardedModel, place
 
 __all__ = ["CheckpointError", "load_model", "expected_parameters", "DTYPES"]
 
@@ -45,12 +48,18 @@ def load_model(
     directory: str | os.PathLike,
     dtype: str | jnp.dtype = "float32",
     progress: Callable[[int, int, str], None] | None = None,
-) -> Apriel2ForCausalLM:
+    *,
+    tensor_parallel: int | Mesh = 1,
+) -> Apriel2ForCausalLM | ShardedModel:
     """Load ``config.json`` and the safetensors weights of ``directory`` as a model in ``dtype``.
 
     Parameters the reference keeps in fp32 (gates' ``A_log``/``dt_bias``, Mamba ``D``) stay fp32.
     ``progress(done, total, key)`` is called after each tensor; by default a line is printed to stderr for
     checkpoints large enough to take a while.
+
+    ``tensor_parallel``: a device count (a one-axis mesh over the first devices) or a ``Mesh`` with one axis
+    ``"tp"``; the result is then a :class:`ShardedModel` whose every tensor went straight from the memory-mapped
+    file onto its ``NamedSharding``, each device reading only its own rows.
     """
     directory = os.fspath(directory)
     if isinstance(dtype, str):
@@ -84,6 +93,19 @@ def load_model(
     nbytes = sum(int(np.prod(found[k].shape)) * found[k].dtype.itemsize for k in expected)
     if progress is None and nbytes > 2**30:
         progress = _stderr_progress(nbytes)
+    if isinstance(tensor_parallel, Mesh) or tensor_parallel != 1:
+        mesh = tensor_parallel if isinstance(tensor_parallel, Mesh) else make_mesh(tensor_parallel)
+        plan = plan_tensor_parallel(config, mesh.shape[AXIS])
+        loaded = [0]
+
+        def make(key, struct, sharding):
+            array = place(read_tensor(found[key]), plan, key, struct, sharding)
+            loaded[0] += 1
+            if progress is not None:
+                progress(loaded[0], total, key)
+            return array
+
+        return ShardedModel(plan, mesh, dtype, make)
     for done, (path, var) in enumerate(nnx.to_flat_state(state), start=1):
         key = _key(path)
         array = read_tensor(found[key])

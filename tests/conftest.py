@@ -3,6 +3,10 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Eight virtual CPU devices for the tensor-parallel tests (set before JAX initialises; the default device, and so
+# every other test, stays device 0).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # Tests never write the user's persistent compilation cache; tests of the cache give their own directory.
 os.environ.setdefault("APRIEL2_JAX_CACHE_DIR", "off")
 

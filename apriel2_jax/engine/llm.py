@@ -25,6 +25,7 @@ from ..checkpoint import load_model
 from ..compilation_cache import enable_compilation_cache
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
+from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
 from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
@@ -83,8 +84,9 @@ class LLM:
         self,
         checkpoint_dir: str | os.PathLike | None = None,
         *,
-        model: Apriel2ForCausalLM | None = None,
+        model: Apriel2ForCausalLM | ShardedModel | None = None,
         dtype: str = "bfloat16",
+        tensor_parallel: int = 1,
         placement: PlacementSpec = None,
         placements: dict | None = None,
         max_num_seqs: int = DEFAULTS.max_num_seqs,
@@ -113,7 +115,8 @@ class LLM:
         when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
         per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
         compiled steps with another engine over the same model (e.g. to compare scheduler settings without
-        recompiling)."""
+        recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
+        pages and state slots are split the same way and the cache budget is per device."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -124,7 +127,12 @@ class LLM:
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         if model is None:
-            model = load_model(self.checkpoint_dir, dtype)
+            model = load_model(self.checkpoint_dir, dtype, tensor_parallel=tensor_parallel)
+        elif isinstance(model, ShardedModel):
+            if tensor_parallel not in (1, model.tp):
+                raise ValueError(f"tensor_parallel={tensor_parallel}, but the model is split over {model.tp} devices")
+        elif tensor_parallel != 1:
+            model = shard_model(model, tensor_parallel)
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -169,7 +177,8 @@ class LLM:
         )
         self._warm_up = warm_up
         self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)
-        if step_runner is not None and step_runner.graphdef != nnx.graphdef(model):
+        graphdef = model.graphdef if isinstance(model, ShardedModel) else nnx.graphdef(model)
+        if step_runner is not None and step_runner.graphdef != graphdef:
             raise ValueError("step_runner was built for a different model")
         self.runner = step_runner if step_runner is not None else StepRunner(model, self.log)
         self.stats = EngineStats()
@@ -182,11 +191,15 @@ class LLM:
     def _budget_from_device(self, fraction: float) -> int:
         if not 0.0 < fraction <= 1.0:
             raise CacheConfigError(f"cache_memory_fraction must be in (0, 1], got {fraction!r}")
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit:
-            return DEFAULT_CPU_CACHE_BYTES  # CPU: no device memory figure; use a fixed budget
-        return max(0, int(limit * fraction) - int(stats.get("bytes_in_use", 0)))
+        devices = self.model.mesh.devices.flat if isinstance(self.model, ShardedModel) else jax.devices()[:1]
+        budgets = []
+        for device in devices:  # tensor parallel: every device holds its share of every page; the tightest rules
+            stats = device.memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if not limit:
+                return DEFAULT_CPU_CACHE_BYTES  # CPU: no device memory figure; use a fixed budget
+            budgets.append(max(0, int(limit * fraction) - int(stats.get("bytes_in_use", 0))))
+        return min(budgets)
 
     def set_placement(self, placement: PlacementSpec = None) -> None:
         """Run the supernet with another placement. Clears the caches (no request may be in flight); compiled
@@ -198,7 +211,9 @@ class LLM:
             raise RuntimeError("cannot switch placement while requests are in flight")
         self._cache = None  # free the old arrays before allocating the new ones
         dtype_bytes = np.dtype(self.model.dtype).itemsize
-        self.layout = cache_layout(self.config, resolved, dtype_bytes)
+        # Per device: a tensor-parallel device holds its heads' share of every page and state slot.
+        per_device = self.model.local_config if isinstance(self.model, ShardedModel) else self.config
+        self.layout = cache_layout(per_device, resolved, dtype_bytes)
         plan = plan_cache(
             self.layout,
             budget_bytes=self._cache_bytes,
@@ -212,7 +227,10 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager)
         self.placement = resolved
         self.log(f"cache: {plan.summary(self.layout)}")
-        self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots))()
+        if isinstance(self.model, ShardedModel):
+            self._cache = self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots)
+        else:
+            self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots))()
         if self._warm_up != "none":
             self._cache = self.runner.warm_up(
                 self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -23,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ..modules import Apriel2ForCausalLM
 from ..modules.paged import PagedBatch
 from ..placement import Placement
+from ..tensor_parallel import ShardedModel
 from .cache_manager import CacheManager
 from .sampling import keys_from_words, sample
 from .scheduler import ScheduledStep
@@ -236,20 +239,41 @@ def unpack_outputs(packed) -> StepOutputs:
 
 
 class StepRunner:
-    """Owns the model parameters and the jitted steps; counts compilations (each trace is one)."""
+    """Owns the model parameters and the jitted steps; counts compilations (each trace is one).
 
-    def __init__(self, model: Apriel2ForCausalLM, log: Callable[[str], None] | None = None):
-        self.graphdef, params = nnx.split(model)
-        # Flat leaves: passing the nnx State itself costs ~1 ms of pytree flattening on every call.
-        self.param_leaves, self.param_tree = jax.tree.flatten(params)
+    A :class:`~apriel2_jax.tensor_parallel.ShardedModel` runs the same step inside ``shard_map``: each device
+    merges its blocks of the parameters and caches into the per-device model; the step's inputs and outputs are
+    replicated, so the host side is unchanged."""
+
+    def __init__(self, model: Apriel2ForCausalLM | ShardedModel, log: Callable[[str], None] | None = None):
+        self.sharded = model if isinstance(model, ShardedModel) else None
+        if self.sharded is not None:
+            self.graphdef, self.param_leaves, self.param_tree = model.graphdef, model.param_leaves, model.param_tree
+        else:
+            self.graphdef, params = nnx.split(model)
+            # Flat leaves: passing the nnx State itself costs ~1 ms of pytree flattening on every call.
+            self.param_leaves, self.param_tree = jax.tree.flatten(params)
         self.compilations = 0
         self.log = log
+        self._cache_specs: dict = {}
         self._step = jax.jit(
-            self._step_fn, static_argnames=("cache_tree", "layout", "placement", "decode_steps", "filters"), donate_argnums=(1,)
+            self._step_fn,
+            static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters"),
+            donate_argnums=(1,),
         )
 
-    def _step_fn(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, layout, placement, decode_steps, filters):
+    def _step_fn(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, cache_specs, **static):
         self.compilations += 1  # Python runs here only while tracing, i.e. once per compiled shape
+        body = functools.partial(self._step_body, cache_tree=cache_tree, **static)
+        if self.sharded is None:
+            return body(param_leaves, cache_leaves, ints, floats)
+        specs = list(cache_specs)
+        return jax.shard_map(
+            body, mesh=self.sharded.mesh, in_specs=(self.sharded.param_specs, specs, P(), P()),
+            out_specs=(P(), specs), check_vma=False,
+        )(param_leaves, cache_leaves, ints, floats)
+
+    def _step_body(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, layout, placement, decode_steps, filters):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
@@ -310,6 +334,7 @@ class StepRunner:
             inputs.ints,
             inputs.floats,
             cache_tree=cache_tree,
+            cache_specs=self._specs_of(cache, cache_tree),
             layout=inputs.layout,
             placement=placement,
             decode_steps=decode_steps,
@@ -321,6 +346,13 @@ class StepRunner:
             filters = ", top-k/top-p sampler" if inputs.filters else ""
             self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
         return outputs, cache_tree.unflatten(leaves)
+
+    def _specs_of(self, cache, cache_tree) -> tuple | None:
+        if self.sharded is None:
+            return None
+        if cache_tree not in self._cache_specs:
+            self._cache_specs[cache_tree] = self.sharded.cache_specs(cache)
+        return self._cache_specs[cache_tree]
 
     def warm_up(
         self,

@@ -1,0 +1,102 @@
+"""Tensor parallelism on virtual CPU devices (tests/conftest.py makes eight): every golden case and placement
+gives the same logits (float32, within 1e-4) and the same greedy tokens at TP 2 and 4 as on one device, with
+each device holding only its own rows of every tensor."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from apriel2_jax.checkpoint import load_model
+from apriel2_jax.engine.llm import LLM
+from apriel2_jax.engine.step import Buckets
+from apriel2_jax.parity import load_case
+from apriel2_jax.placement import resolve_placement
+from apriel2_jax.safetensors_io import index_checkpoint, read_tensor
+from apriel2_jax.sharding import AXIS, ShardingError, read_shard
+from apriel2_jax.tensor_parallel import random_sharded, shard_model
+from tests.conftest import GOLDENS, golden_cases
+from tests.engine.test_llm import GREEDY, SMALL, _prompts
+
+TP_SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def single_device_models():
+    return {name: load_model(os.path.join(GOLDENS, name), "float32") for name in golden_cases()}
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_logits_and_greedy_tokens_equal_one_device(case_name, tp, single_device_models):
+    directory = os.path.join(GOLDENS, case_name)
+    case = load_case(directory)
+    reference = single_device_models[case_name]
+    sharded = load_model(directory, "float32", tensor_parallel=tp)
+    assert sharded.mesh.shape == {AXIS: tp}
+    llm = LLM(model=sharded, dtype="float32", buckets=Buckets((2,), (2,), (8,)), debug_checks=True,
+              placements=case.placements, **SMALL)
+    ids = np.asarray(case.input_ids[:, : case.prompt_len + 4], np.int32)
+    for name in case.placements:
+        placement = resolve_placement(reference.config, name, case.placements)
+        want = np.asarray(jax.jit(lambda x: reference(x, placement)[0])(ids))
+        got = np.asarray(sharded.forward(ids, placement))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4, err_msg=f"{case_name}/{name} tp={tp}")
+
+        llm.set_placement(name)
+        outputs = llm.generate(_prompts(case), GREEDY)
+        np.testing.assert_array_equal(
+            np.array([o.token_ids for o in outputs]), case.greedy_ids[name], err_msg=f"{case_name}/{name} tp={tp}"
+        )
+        assert all(usage[0] == 0 for usage in llm.cache_manager.usage().values())
+
+
+def test_each_device_holds_only_its_rows():
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    sharded = load_model(directory, "float32", tensor_parallel=4)
+    found = index_checkpoint(directory)
+    for key, leaf, spec in zip(sharded.keys, sharded.param_leaves, sharded.param_specs):
+        shard = sharded.plan.tensor(key)
+        source = read_tensor(found[key])
+        for device_shard in leaf.addressable_shards:
+            d = list(sharded.mesh.devices.flat).index(device_shard.device)
+            block = np.asarray(device_shard.data)
+            if shard.axis is None:
+                assert spec == jax.sharding.PartitionSpec() and block.shape == source.shape, key
+            else:
+                assert block.shape[shard.axis] == leaf.shape[shard.axis] // 4, key
+            np.testing.assert_array_equal(block, read_shard(source, shard, d), err_msg=key)
+
+
+def test_caches_are_split_like_their_heads():
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(directory)
+    llm = LLM(directory, dtype="float32", tensor_parallel=2, placements=case.placements, placement="mamba", **SMALL)
+    single = LLM(directory, dtype="float32", placements=case.placements, placement="mamba", **SMALL)
+    for layer, (split, whole) in enumerate(zip(llm._cache, single._cache)):
+        for name, array in split.items():
+            axis = {"k": 2, "v": 2, "ssm": 1}.get(name, 2)
+            assert array.addressable_shards[0].data.shape[axis] * 2 == array.shape[axis], (layer, name)
+            assert array.shape[axis] >= whole[name].shape[axis], (layer, name)
+    # The budget is per device and each device holds half of every page: at least as many pages as one device.
+    assert all(llm.plan.pages[f] >= single.plan.pages[f] for f in single.plan.pages)
+
+
+def test_in_memory_model_can_be_split_and_random_sharded_models_run():
+    directory = os.path.join(GOLDENS, "supernet_swa")
+    case = load_case(directory)
+    model = load_model(directory, "float32")
+    sharded = shard_model(model, 2)
+    placement = resolve_placement(model.config, "mixed", case.placements)
+    ids = np.asarray(case.input_ids[:, : case.prompt_len], np.int32)
+    want = np.asarray(model(ids, placement)[0])
+    np.testing.assert_allclose(np.asarray(sharded.forward(ids, placement)), want, atol=1e-4, rtol=0)
+    random = random_sharded(model.config, 2, dtype=np.float32, seed=1)
+    logits = np.asarray(random.forward(ids, placement))
+    assert logits.shape == want.shape and np.isfinite(logits).all()
+
+
+def test_too_many_devices_is_a_clear_error():
+    with pytest.raises(ShardingError, match="tensor_parallel=64 needs 64 devices, but 8 are visible"):
+        load_model(os.path.join(GOLDENS, "supernet_swa"), "float32", tensor_parallel=64)
