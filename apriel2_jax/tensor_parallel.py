@@ -68,19 +68,13 @@ class ShardedModel:
         mark_parallel(abstract)
         self.graphdef, state = nnx.split(abstract)
         flat = list(nnx.to_flat_state(state))
+        layout = parameter_layout(plan, mesh, dtype)
         specs = {}
         for path, var in flat:
             key = _key(path)
-            shard = plan.tensor(key)
-            local = var.get_value()
-            shape = list(local.shape)
-            if shard.axis is not None:
-                if shard.local_rows() != shape[shard.axis]:
-                    raise RuntimeError(f"{key}: the shard plan gives {shard.local_rows()} rows per device, the "
-                                       f"per-device model has {shape[shard.axis]}")
-                shape[shard.axis] *= plan.tp
-            specs[key] = _spec(shard.axis)
-            var.set_value(make_leaf(key, jax.ShapeDtypeStruct(tuple(shape), local.dtype), NamedSharding(mesh, specs[key])))
+            struct = layout[key]
+            specs[key] = struct.sharding.spec
+            var.set_value(make_leaf(key, jax.ShapeDtypeStruct(struct.shape, struct.dtype), struct.sharding))
         self.param_leaves, self.param_tree = jax.tree.flatten(state)
         by_id = {id(var.get_value()): _key(path) for path, var in flat}
         self.keys = [by_id[id(leaf)] for leaf in self.param_leaves]
@@ -132,6 +126,24 @@ class ShardedModel:
             run = self.shard_map(lambda model, ids: model(ids, placement)[0], (P(),), P())
             self._compiled[key] = jax.jit(run)
         return self._compiled[key](self.param_leaves, jnp.asarray(input_ids, jnp.int32))
+
+
+def parameter_layout(plan: ShardPlan, mesh: Mesh, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter's global shape, dtype and ``NamedSharding`` over ``mesh`` (checkpoint key order)."""
+    abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(0)))
+    layout = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+        key = _key(path)
+        shard = plan.tensor(key)
+        local = var.get_value()
+        shape = list(local.shape)
+        if shard.axis is not None:
+            if shard.local_rows() != shape[shard.axis]:
+                raise RuntimeError(f"{key}: the shard plan gives {shard.local_rows()} rows per device, the "
+                                   f"per-device model has {shape[shard.axis]}")
+            shape[shard.axis] *= plan.tp
+        layout[key] = jax.ShapeDtypeStruct(tuple(shape), local.dtype, sharding=NamedSharding(mesh, _spec(shard.axis)))
+    return layout
 
 
 def shard_model(model: Apriel2ForCausalLM, mesh: Mesh | int) -> ShardedModel:

@@ -30,7 +30,7 @@ def test_missing_extra_and_misshaped_tensors_are_reported_together(tmp_path):
     message = str(info.value)
     assert "missing (1)" in message and "model.decoder.blocks.1.mixer.A_log" in message
     assert "unexpected (1)" in message and "model.decoder.blocks.0.mixer.q_gate.weight" in message
-    assert "wrong shape (1)" in message and "blocks.2.mixer.q_proj.weight: checkpoint [16, 31], model expects [16, 32]" in message
+    assert "wrong shape (1)" in message and "blocks.2.mixer.q_proj.weight (in model.safetensors): checkpoint [16, 31], model expects [16, 32]" in message
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):

@@ -1,0 +1,360 @@
+"""``apriel2-convert``: an HF Apriel2 checkpoint to the orbax format the engine loads directly.
+
+    apriel2-convert SRC DST [--placement NAME|MIXERS ...] [--dtype bfloat16] [--tp N] [--verify] [--force]
+
+* ``--placement`` thins a supernet: every stochastic layer keeps only the mixers the given placements use (a
+  name from ``placements.json`` or one mixer per layer, comma-separated; repeat the flag to keep several).
+  A layer left with one mixer becomes a plain mixer of that type; the written ``config.json`` says so.
+* ``--tp N`` stores the tensors in the mesh layout of N devices (``apriel2_jax.sharding``), so a load at
+  ``tensor_parallel=N`` restores each device's rows straight from disk. ``--tp 1`` (default) loads at any size.
+* Everything is checked before anything is written (missing, unexpected, mis-shaped or non-float tensors,
+  unreadable or truncated files, unknown placements), the output is assembled beside ``DST`` and renamed into
+  place at the end, and a failure removes it: ``DST`` is either complete or untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from apriel2_jax.checkpoint import DTYPES, check_tensors, expected_parameters
+from apriel2_jax.config import ConfigError, StochasticConfig, load_config, parse_config
+from apriel2_jax.orbax_checkpoint import FORMAT, MANIFEST, VERSION, read_group, tensor_group, write_group
+from apriel2_jax.placement import PlacementError, load_placements, resolve_placement
+from apriel2_jax.safetensors_io import CheckpointError, index_checkpoint, read_tensor
+from apriel2_jax.sharding import ShardingError, plan_tensor_parallel, read_shard
+
+# Files a checkpoint directory carries besides its weights, copied as they are.
+AUX_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Thinning
+
+
+def _layer_blocks(raw: dict, num_blocks: int) -> list[dict]:
+    decoder = raw["decoder"]
+    if decoder.get("type", "fixed") == "fixed":
+        return [decoder["block"]] * num_blocks
+    pattern = decoder["pattern"]
+    return [decoder["blocks"][pattern[i % len(pattern)]] for i in range(num_blocks)]
+
+
+def thin(raw: dict, config, keep: Sequence[set[str] | None]) -> tuple[dict, dict[str, str]]:
+    """``raw`` (config.json) with stochastic layer i reduced to the mixers ``keep[i]``; and the source prefix of
+    every kept mixer's keys in the new layout."""
+    blocks, renames = [], {}
+    for i, (block_raw, block) in enumerate(zip(_layer_blocks(raw, config.num_blocks), config.blocks)):
+        block_raw = json.loads(json.dumps(block_raw))
+        mixer = block.mixer
+        if isinstance(mixer, StochasticConfig):
+            names = [n for n in mixer.names if n in keep[i]]
+            subs = block_raw["mixer"]["mixers"]
+            if len(names) == 1:
+                block_raw["mixer"] = subs[names[0]]
+                renames[f"model.decoder.blocks.{i}.mixer."] = f"model.decoder.blocks.{i}.mixer.mixers.{names[0]}."
+            else:
+                main = mixer.main_mixer_name if mixer.main_mixer_name in names else names[0]
+                block_raw["mixer"] = dict(block_raw["mixer"], mixers={n: subs[n] for n in names}, main_mixer_name=main)
+        blocks.append((block_raw, _block_name(block_raw, mixer, keep[i])))
+    out = json.loads(json.dumps(raw))
+    if all(b == blocks[0][0] for b, _ in blocks):
+        out["decoder"] = {"type": "fixed", "num_blocks": config.num_blocks, "block": blocks[0][0]}
+    else:
+        named: dict[str, dict] = {}
+        pattern = []
+        for block_raw, name in blocks:
+            base, k = name, 1
+            while name in named and named[name] != block_raw:
+                k += 1
+                name = f"{base}_{k}"
+            named[name] = block_raw
+            pattern.append(name)
+        out["decoder"] = {"type": "pattern", "num_blocks": config.num_blocks, "pattern": pattern, "blocks": named}
+    return out, renames
+
+
+def _block_name(block_raw: dict, mixer, keep) -> str:
+    """Blocks are named after their mixer (what vLLM's pattern-config path expects of a thinned supernet)."""
+    if isinstance(mixer, StochasticConfig):
+        names = [n for n in mixer.names if n in keep]
+        return names[0] if len(names) == 1 else "+".join(names)
+    return block_raw["mixer"].get("type", "attention")
+
+
+def _source_key(key: str, renames: dict[str, str]) -> str:
+    for new, old in renames.items():
+        if key.startswith(new):
+            return old + key[len(new):]
+    return key
+
+
+def _parse_placements(specs: Sequence[str], config, named: dict, source: str) -> list[tuple[str, tuple]]:
+    out = []
+    for spec in specs:
+        try:
+            if spec in named or "," not in spec:
+                out.append((spec, resolve_placement(config, spec, named)))
+            else:
+                names = [n.strip() or None for n in spec.split(",")]
+                out.append((spec, resolve_placement(config, [None if n in ("-", "none") else n for n in names])))
+        except PlacementError as err:
+            raise ConversionError(f"--placement {spec!r} does not fit {source}: {err}") from None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion
+
+
+class Progress:
+    """One stderr line over tensors and bytes, redrawn at most every 0.2 s."""
+
+    def __init__(self, label: str, tensors: int, nbytes: int, stream=None):
+        self.label, self.tensors, self.nbytes = label, tensors, nbytes
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = self.done_bytes = 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.done_bytes += nbytes
+        now = time.monotonic()
+        if now - self.last >= 0.2 or self.done == self.tensors:
+            self.last = now
+            width = 24
+            filled = int(width * self.done_bytes / max(self.nbytes, 1))
+            print(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.tensors} tensors, "
+                f"{_size(self.done_bytes)}/{_size(self.nbytes)}, {now - self.start:.1f}s",
+                end="\n" if self.done == self.tensors else "", file=self.stream, flush=True,
+            )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _target_dtype(var_dtype, stored, dtype) -> np.dtype:
+    """Parameters the model keeps in fp32 stay fp32; the others take ``dtype`` (None: as stored)."""
+    if np.dtype(var_dtype) == np.float32 and dtype is not None and np.dtype(dtype) != np.float32:
+        return np.dtype(np.float32)
+    return np.dtype(stored if dtype is None else dtype)
+
+
+def _mesh_layout(array: np.ndarray, plan, key: str) -> np.ndarray:
+    shard = plan.tensor(key)
+    if plan.tp == 1 or shard.axis is None:
+        return array
+    return np.concatenate([read_shard(array, shard, d) for d in range(plan.tp)], axis=shard.axis)
+
+
+def convert(
+    source: str,
+    target: str,
+    *,
+    placements: Sequence[str] = (),
+    dtype: str | None = None,
+    tp: int = 1,
+    verify: bool = False,
+    force: bool = False,
+    log=lambda msg: print(msg, file=sys.stderr, flush=True),
+) -> dict:
+    """Convert ``source`` (an HF Apriel2 directory) to ``target``; returns the manifest written."""
+    source, target = os.path.abspath(source), os.path.abspath(target)
+    if not os.path.isdir(source):
+        raise ConversionError(f"{source}: not a directory (expected an HF Apriel2 checkpoint directory)")
+    if os.path.exists(target) and not force:
+        raise ConversionError(f"{target} exists; pass --force to replace it")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    np_dtype = None if dtype is None else np.dtype(DTYPES[dtype])
+
+    # Everything is validated before anything is written.
+    config_path = os.path.join(source, "config.json")
+    config = load_config(source)
+    with open(config_path) as f:
+        raw = json.load(f)
+    found = index_checkpoint(source)
+    _, _, source_expected = expected_parameters(config)
+    check_tensors(source, config, found, source_expected)
+    named = load_placements(source) if os.path.exists(os.path.join(source, "placements.json")) else {}
+    chosen = _parse_placements(placements, config, named, source)
+    renames: dict[str, str] = {}
+    out_raw = raw
+    if chosen:
+        if not config.is_supernet:
+            raise ConversionError(f"--placement thins a supernet, but {config_path} has no stochastic layer")
+        keep = [None if chosen[0][1][i] is None else {pl[i] for _, pl in chosen} for i in range(config.num_blocks)]
+        out_raw, renames = thin(raw, config, keep)
+    try:
+        out_config = parse_config(out_raw, source=config_path)
+        plan = plan_tensor_parallel(out_config, tp)
+    except (ConfigError, ShardingError) as err:
+        raise ConversionError(str(err)) from None
+    _, _, expected = expected_parameters(out_config, jnp.bfloat16)  # bf16 model: fp32 variables are kept fp32
+    sources = {key: _source_key(key, renames) for key in expected}
+    absent = sorted(k for k, s in sources.items() if s not in found)
+    if absent:  # a thinning bug, not a user error: the check above found every source tensor
+        raise ConversionError(f"internal error: no source tensor for {absent[:5]}")
+    out_placements = _kept_placements(named, out_config, chosen)
+
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        manifest = _write(source, staging, found, expected, sources, plan, np_dtype, dtype, out_raw, out_placements,
+                          chosen, log)
+        if verify:
+            _verify(staging, found, expected, sources, plan, np_dtype, manifest, log)
+        if os.path.exists(target):
+            old = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
+            os.rename(target, old)
+            os.rename(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _kept_placements(named: dict, config, chosen) -> dict:
+    """The placements that still resolve on the thinned model (none once no stochastic layer remains)."""
+    if not config.is_supernet:
+        return {}
+    out = {}
+    for name, spec in list(named.items()) + [(label, list(p)) for label, p in chosen if label not in named]:
+        try:
+            resolve_placement(config, spec)
+        except PlacementError:
+            continue
+        out[name] = spec
+    return out
+
+
+def _tensor(found, key, source_key, expected_var, plan, np_dtype) -> np.ndarray:
+    info = found[source_key]
+    array = np.asarray(read_tensor(info))
+    array = array.astype(_target_dtype(expected_var.dtype, array.dtype, np_dtype), copy=False)
+    if not np.isfinite(array.astype(np.float32)).all():
+        raise CheckpointError(f"{info.file}: tensor {source_key} holds NaN or infinite values (corrupt file?)")
+    return _mesh_layout(array, plan, key)
+
+
+def _write(source, staging, found, expected, sources, plan, np_dtype, dtype, out_raw, out_placements, chosen, log):
+    groups: dict[str, list[str]] = {}
+    for key in sorted(expected):
+        groups.setdefault(tensor_group(key), []).append(key)
+    nbytes = sum(int(np.prod(found[s].shape)) * found[s].dtype.itemsize for s in sources.values())
+    progress = Progress("converting", len(expected), nbytes)
+    tensors_meta = {}
+    for group in sorted(groups):
+        tensors = {}
+        for key in groups[group]:
+            array = _tensor(found, key, sources[key], expected[key], plan, np_dtype)
+            tensors[key] = array
+            tensors_meta[key] = {"shape": list(array.shape), "dtype": array.dtype.name, "source": sources[key]}
+            info = found[sources[key]]
+            progress.update(int(np.prod(info.shape)) * info.dtype.itemsize)
+        write_group(staging, group, tensors)
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(out_raw, f, indent=2)
+    if out_placements:
+        with open(os.path.join(staging, "placements.json"), "w") as f:
+            json.dump(out_placements, f, indent=1)
+    for aux in AUX_FILES:
+        if os.path.exists(os.path.join(source, aux)):
+            shutil.copy2(os.path.join(source, aux), os.path.join(staging, aux))
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": source,
+        "tensor_parallel": plan.tp,
+        "dtype": dtype or "as stored",
+        "placements": [label for label, _ in chosen],
+        "tensors": tensors_meta,
+    }
+    with open(os.path.join(staging, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    log(f"wrote {len(expected)} tensors in {len(groups)} groups (tensor_parallel={plan.tp})")
+    return manifest
+
+
+def _verify(staging, found, expected, sources, plan, np_dtype, manifest, log) -> None:
+    """Reload every tensor from the written checkpoint and compare it with a fresh conversion of its source."""
+    import jax
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    groups: dict[str, dict] = {}
+    for key, meta in manifest["tensors"].items():
+        groups.setdefault(tensor_group(key), {})[key] = jax.ShapeDtypeStruct(tuple(meta["shape"]), np.dtype(meta["dtype"]), sharding=cpu)
+    sizes = {k: int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for k, m in manifest["tensors"].items()}
+    progress = Progress("verifying ", len(expected), sum(sizes.values()))
+    for group in sorted(groups):
+        restored = read_group(staging, group, groups[group])
+        for key, array in restored.items():
+            want = _tensor(found, key, sources[key], expected[key], plan, np_dtype)
+            got = np.asarray(array)
+            if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
+                raise ConversionError(f"verification failed: {key} reloaded from {staging} differs from {sources[key]}")
+            progress.update(sizes[key])
+    log(f"verified {len(expected)} tensors")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="apriel2-convert",
+        description="Convert an HF Apriel2 checkpoint (single or sharded safetensors) to the orbax checkpoint the "
+        "apriel2-jax engine loads directly, optionally thinned to placements and laid out for tensor parallelism.",
+    )
+    parser.add_argument("source", metavar="SRC", help="HF checkpoint directory (config.json + safetensors)")
+    parser.add_argument("target", metavar="DST", help="output directory (must not exist unless --force)")
+    parser.add_argument("--placement", action="append", default=[], metavar="NAME|MIXERS",
+                        help="keep only the mixers of this placement: a name from placements.json or one mixer per "
+                        "layer, comma-separated; repeat to keep the union of several")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="store weights in this dtype (default: as in the source; fp32 gate parameters stay fp32)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="lay the tensors out for a mesh of N devices (default 1: loads at any size)")
+    parser.add_argument("--verify", action="store_true", help="reload every tensor and compare it with the source")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        start = time.monotonic()
+        convert(args.source, args.target, placements=args.placement, dtype=args.dtype, tp=args.tp,
+                verify=args.verify, force=args.force)
+    except (ConversionError, CheckpointError, ConfigError, ShardingError, PlacementError, FileNotFoundError) as err:
+        print(f"apriel2-convert: error: {err}", file=sys.stderr)
+        return 1
+    print(f"apriel2-convert: {args.target} written in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""``apriel2-convert``: HF -> orbax round trips (every golden case), thinning, tensor-parallel layouts, and every
+bad input failing with an error that names the problem and leaving nothing behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from apriel2_jax.checkpoint import load_model
+from apriel2_jax.engine.llm import LLM
+from apriel2_jax.parity import load_case
+from apriel2_jax.placement import resolve_placement
+from apriel2_jax.safetensors_io import CheckpointError
+from convert.cli import main
+from tests.conftest import GOLDENS, golden_cases
+from tests.engine.test_llm import GREEDY, SMALL, _prompts
+from tests.helpers import random_weights, tiny_config, write_checkpoint
+
+
+def _forward(model, ids, placement):
+    return np.asarray(jax.jit(lambda x: model(x, placement)[0])(ids))
+
+
+def _ids(case):
+    return np.asarray(case.input_ids[:, : case.prompt_len], np.int32)
+
+
+def _convert(*args) -> None:
+    assert main([str(a) for a in args]) == 0
+
+
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_round_trip_equals_loading_the_hf_checkpoint(case_name, tmp_path):
+    source = os.path.join(GOLDENS, case_name)
+    case = load_case(source)
+    _convert(source, tmp_path / "out", "--verify")
+    hf, converted = load_model(source, "float32"), load_model(tmp_path / "out", "float32")
+    for name in case.placements:
+        placement = resolve_placement(hf.config, name, case.placements)
+        np.testing.assert_array_equal(_forward(converted, _ids(case), placement), _forward(hf, _ids(case), placement))
+
+
+def test_tensor_parallel_layout_loads_each_device_its_rows(tmp_path):
+    source = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(source)
+    _convert(source, tmp_path / "tp2", "--tp", 2)
+    _convert(source, tmp_path / "tp1")
+    from_hf = load_model(source, "float32", tensor_parallel=2)
+    for directory in ("tp2", "tp1"):  # a --tp 1 conversion loads at any size
+        model = load_model(tmp_path / directory, "float32", tensor_parallel=2)
+        for key, a, b in zip(model.keys, model.param_leaves, from_hf.param_leaves):
+            assert a.sharding == b.sharding, key
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=key)
+    placement = resolve_placement(from_hf.config, "mamba", case.placements)
+    np.testing.assert_array_equal(np.asarray(model.forward(_ids(case), placement)),
+                                  np.asarray(from_hf.forward(_ids(case), placement)))
+    with pytest.raises(CheckpointError, match="converted for tensor_parallel=2: load it with tensor_parallel=2"):
+        load_model(tmp_path / "tp2", "float32")
+    with pytest.raises(CheckpointError, match="converted for tensor_parallel=2, not 4"):
+        load_model(tmp_path / "tp2", "float32", tensor_parallel=4)
+
+
+def test_thinning_keeps_the_placements_mixers_and_their_outputs(tmp_path):
+    source = os.path.join(GOLDENS, "supernet_fixed")
+    case = load_case(source)
+    _convert(source, tmp_path / "thin", "--placement", "every2_kda")
+    with open(tmp_path / "thin" / "config.json") as f:
+        config = json.load(f)
+    assert config["decoder"]["pattern"] == ["kda", "gdn", "kda", "gdn"]
+    assert all(b["mixer"]["type"] in ("kda", "gdn") for b in config["decoder"]["blocks"].values())
+    assert not os.path.exists(tmp_path / "thin" / "placements.json")  # no stochastic layer is left
+    supernet, thinned = load_model(source, "float32"), load_model(tmp_path / "thin", "float32")
+    placement = resolve_placement(supernet.config, "every2_kda", case.placements)
+    np.testing.assert_array_equal(_forward(thinned, _ids(case), (None,) * 4), _forward(supernet, _ids(case), placement))
+    llm = LLM(tmp_path / "thin", dtype="float32", **SMALL)
+    tokens = [o.token_ids for o in llm.generate(_prompts(case), GREEDY)]
+    np.testing.assert_array_equal(tokens, case.greedy_ids["every2_kda"])
+
+
+def test_thinning_to_several_placements_keeps_their_union(tmp_path, capsys):
+    source = os.path.join(GOLDENS, "supernet_swa")
+    case = load_case(source)
+    _convert(source, tmp_path / "two", "--placement", "mixed", "--placement", "main", "--dtype", "bfloat16")
+    with open(tmp_path / "two" / "placements.json") as f:
+        kept = json.load(f)
+    assert sorted(kept) == ["main", "mixed"]  # all_swa and mixed2 need mixers that were dropped
+    with open(tmp_path / "two" / "apriel2_jax.json") as f:
+        manifest = json.load(f)
+    dtypes = {k: m["dtype"] for k, m in manifest["tensors"].items()}
+    assert dtypes["model.decoder.blocks.2.mixer.mixers.gdn.A_log"] == "float32"  # gate parameters stay fp32
+    assert dtypes["model.decoder.blocks.2.mixer.mixers.gdn.in_proj_qkvz.weight"] == "bfloat16"
+    assert "model.decoder.blocks.1.mixer.q_proj.weight" in dtypes  # layer 1 keeps only attention: a plain mixer
+    llm = LLM(tmp_path / "two", dtype="float32", **SMALL)
+    for name in ("main", "mixed"):
+        llm.set_placement(name)
+        assert len(llm.generate(_prompts(case), GREEDY)) == 2
+    assert "converting [" in capsys.readouterr().err
+
+
+def test_sharded_source_with_untied_head(tmp_path):
+    config = tiny_config()
+    weights = random_weights(config, seed=3)
+    source = write_checkpoint(str(tmp_path / "src"), config, weights, shards=3)
+    _convert(source, tmp_path / "out", "--verify")
+    hf, converted = load_model(source), load_model(tmp_path / "out")
+    ids = np.arange(1, 13, dtype=np.int32)[None]
+    placement = resolve_placement(hf.config)
+    np.testing.assert_array_equal(_forward(converted, ids, placement), _forward(hf, ids, placement))
+
+
+def _source(tmp_path, mutate=None, **write_args):
+    config = tiny_config()
+    weights = random_weights(config)
+    if mutate:
+        mutate(weights)
+    return write_checkpoint(str(tmp_path / "src"), config, weights, **write_args)
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+
+
+def _corrupt_header(path):
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xfe garbage")
+
+
+def _set(key, value):
+    return lambda w: w.__setitem__(key, value)
+
+
+BAD_INPUTS = {
+    "missing": (lambda w: w.pop("model.decoder.blocks.1.mixer.A_log"), None, "missing (1)", "blocks.1.mixer.A_log"),
+    "unexpected": (_set("model.extra.weight", np.zeros(3, np.float32)), None, "unexpected (1)", "model.extra.weight (in model.safetensors)"),
+    "wrong shape": (_set("model.decoder.blocks.0.mixer.q_proj.weight", np.zeros((32, 31), np.float32)), None,
+                    "wrong shape (1)", "checkpoint [32, 31], model expects [32, 32]"),
+    "wrong dtype": (_set("model.norm.weight", np.ones(32, np.int32)), None, "wrong dtype (1)", "model.norm.weight (in model.safetensors): int32"),
+    "truncated": (None, _truncate, "model.safetensors", "inconsistent offsets (truncated file?)"),
+    "corrupt header": (None, _corrupt_header, "model.safetensors", "cannot read safetensors header"),
+    "non-finite": (_set("model.norm.weight", np.full(32, np.nan, np.float32)), None, "model.safetensors", "tensor model.norm.weight holds NaN"),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(BAD_INPUTS))
+def test_bad_input_fails_with_its_error_and_writes_nothing(problem, tmp_path, capsys):
+    mutate, damage, *needles = BAD_INPUTS[problem]
+    source = _source(tmp_path, mutate)
+    if damage:
+        damage(os.path.join(source, "model.safetensors"))
+    out = tmp_path / "out" / "converted"
+    assert main([source, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "apriel2-convert: error:" in err and all(n in err for n in needles), err
+    assert not out.exists()
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_placement_errors_and_existing_target(tmp_path, capsys):
+    source = os.path.join(GOLDENS, "supernet_swa")
+    out = tmp_path / "out"
+    assert main([source, str(out), "--placement", "attention,kda,gdn"]) == 1
+    assert "--placement 'attention,kda,gdn' does not fit" in capsys.readouterr().err
+    assert main([source, str(out), "--placement", "nope"]) == 1
+    assert "unknown placement 'nope'" in capsys.readouterr().err
+    assert not out.exists() and os.listdir(tmp_path) == []
+    _convert(source, out)
+    assert main([source, str(out)]) == 1
+    assert "exists; pass --force" in capsys.readouterr().err
+    _convert(source, out, "--force", "--placement", "main")
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert not os.path.exists(out / "placements.json")
+
+
+def test_console_script_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "convert.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--placement" in proc.stdout and "--tp" in proc.stdout
