@@ -100,3 +100,30 @@ def test_in_memory_model_can_be_split_and_random_sharded_models_run():
 def test_too_many_devices_is_a_clear_error():
     with pytest.raises(ShardingError, match="tensor_parallel=64 needs 64 devices, but 8 are visible"):
         load_model(os.path.join(GOLDENS, "supernet_swa"), "float32", tensor_parallel=64)
+
+
+def test_command_lines_take_tensor_parallel(tmp_path, capsys):
+    """apriel2-generate on a converted --tp 2 checkpoint and check_parity with --tensor-parallel 2."""
+    import json
+
+    from apriel2_jax.cli.check_parity import main as check_parity
+    from apriel2_jax.cli.generate import main as generate
+    from convert.cli import main as convert
+
+    directory = os.path.join(GOLDENS, "supernet_swa")
+    case = load_case(directory)
+    assert check_parity([directory, "--placement", "mixed", "--tensor-parallel", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "tensor parallel 2" in report and "greedy" in report and "FAIL" not in report
+
+    assert convert([directory, str(tmp_path / "tp2"), "--tp", "2"]) == 0
+    argv = ["--placement", "mixed", "--max-new-tokens", "8", "--ignore-eos", "--json", "--dtype", "float32",
+            "--warm-up", "none", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    for row in _prompts(case):
+        argv += ["--prompt-ids", ",".join(map(str, row))]
+    capsys.readouterr()
+    assert generate([str(tmp_path / "tp2"), "--tensor-parallel", "2", *argv]) == 0
+    tokens = [r["token_ids"] for r in json.loads(capsys.readouterr().out)]
+    np.testing.assert_array_equal(tokens, case.greedy_ids["mixed"])
+    assert generate([str(tmp_path / "tp2"), *argv]) == 2  # converted for two devices, loaded on one
+    assert "converted for tensor_parallel=2" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``check_parity.py CASE_DIR [--placement NAME] [--dtype float32|bfloat16]``"""
+"""``check_parity.py CASE_DIR [--placement NAME] [--dtype float32|bfloat16] [--tensor-parallel N]``"""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("case_dir", help="directory with config.json, model safetensors, golden.safetensors")
     parser.add_argument("--placement", default=None, help="check only this named placement of placements.json")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the model over N devices (forward and engine greedy checks)")
     args = parser.parse_args(argv)
 
     import jax
@@ -27,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..safetensors_io import CheckpointError
 
     try:
-        results = run_checks(args.case_dir, args.placement, args.dtype)
+        results = run_checks(args.case_dir, args.placement, args.dtype, tensor_parallel=args.tensor_parallel)
     except (ConfigError, CheckpointError, PlacementError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform})")
+    print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform}, tensor parallel {args.tensor_parallel})")
     print(format_table(results))
     failed = [r for r in results if not r.passed]
     if failed:

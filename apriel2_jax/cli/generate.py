@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a placement name from the checkpoint's placements.json, or a comma-separated mixer name per "
                         "layer ('-' for fixed layers); default: every layer's main mixer")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="weights/compute dtype (default bfloat16)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices (heads, MLP channels and vocabulary; default 1)")
 
     g = parser.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -449,6 +451,7 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
     llm = LLM(
         directory,
         dtype=args.dtype,
+        tensor_parallel=args.tensor_parallel,
         placement=placement,
         placements=named or None,
         max_num_seqs=args.max_num_seqs,
