@@ -21,6 +21,7 @@ from .checkpoint import load_model
 from .placement import load_placements, resolve_placement
 from .runner import ModelRunner
 from .safetensors_io import CheckpointError, read_header, read_tensor
+from .sharding import make_mesh
 
 FLOAT32_TOLERANCE = 1e-3
 # The goldens are fp32 with weights scaled so that every parameter matters. Rounding those weights to bf16 alone
@@ -82,17 +83,17 @@ def run_checks(
     placement: str | None = None,
     dtype: str = "float32",
     checks=("forward", "decode", "greedy"),
-    tensor_parallel: int = 1,
+    tensor_parallel: int | None = None,
 ) -> list[CheckResult]:
-    """``tensor_parallel`` > 1 splits the model over that many devices: the forward check runs the split model,
-    the greedy check the serving engine over it (the dense-cache decode check has no split form)."""
+    """``tensor_parallel`` N (1 included) runs the tensor-parallel path over N devices: the forward check runs the
+    split model, the greedy check the serving engine over it (the dense-cache decode check has no split form)."""
     case = load_case(directory)
     names = list(case.placements)
     if placement is not None:
         if placement not in case.placements:
             raise ValueError(f"placement {placement!r} is not in {directory}/placements.json; known: {names}")
         names = [placement]
-    if tensor_parallel != 1:
+    if tensor_parallel is not None:
         return _run_split_checks(directory, case, names, dtype, [c for c in checks if c != "decode"], tensor_parallel)
     runner = ModelRunner(load_model(directory, dtype))
     batch, total = case.input_ids.shape
@@ -147,7 +148,7 @@ def _run_split_checks(directory, case, names, dtype, checks, tensor_parallel) ->
     from .engine.llm import LLM
     from .engine.sampling import SamplingParams
 
-    model = load_model(directory, dtype, tensor_parallel=tensor_parallel)
+    model = load_model(directory, dtype, tensor_parallel=make_mesh(tensor_parallel))
     p = case.prompt_len
     llm = None
     results = []

@@ -46,6 +46,7 @@ from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
 from apriel2_jax.engine.step import Buckets  # noqa: E402
 from apriel2_jax.modules import Apriel2ForCausalLM  # noqa: E402
 from apriel2_jax.placement import load_placements, resolve_placement  # noqa: E402
+from apriel2_jax.tensor_parallel import random_sharded  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
 
@@ -98,8 +99,12 @@ def main(argv=None) -> int:
                     help="decode as many requests as the cache holds (see above) instead of --batch")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
+    ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
+                    help="one row set per entry: 'none' (default) runs the one-device model, N splits it over N "
+                    "devices through the tensor-parallel path (1: that path on one device, to measure its cost)")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
+    args.tensor_parallel = [None if tp == "none" else int(tp) for tp in args.tensor_parallel]
 
     with open(os.path.join(args.config_dir, "config.json")) as f:
         raw = json.load(f)
@@ -107,9 +112,10 @@ def main(argv=None) -> int:
     named = load_placements(args.config_dir)
     bandwidth = hbm_bandwidth()
     rows = []
-    for name in args.placement:
-        run = run_capacity if args.capacity else run_placement
-        rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth)
+    for tp in args.tensor_parallel:
+        for name in args.placement:
+            run = run_capacity if args.capacity else run_placement
+            rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
     if args.capacity:
         for row in rows:
             row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
@@ -121,20 +127,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def random_model(args, raw: dict, placement, name: str):
-    """(config, model, parameter count, dtype) of random weights of the placement's pruned supernet."""
+def random_model(args, raw: dict, placement, name: str, tp: int | None = None):
+    """(config, model, parameter count, dtype) of random weights of the placement's pruned supernet; split over
+    ``tp`` devices (created on them at their per-device shapes) unless ``tp`` is None."""
     config = parse_config(pruned_config(raw, placement))
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.monotonic()
-    model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"{jax.devices()[0].device_kind}: random {params / 1e9:.2f}B-parameter model ({name}) in "
-          f"{time.monotonic() - t0:.0f}s", file=sys.stderr)
+    abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    if tp is None:
+        model = Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+    else:
+        model = random_sharded(config, tp, dtype=dtype)
+    print(f"{jax.devices()[0].device_kind}: random {params / 1e9:.2f}B-parameter model ({name}, tensor parallel "
+          f"{tp or 'none'}) in {time.monotonic() - t0:.0f}s", file=sys.stderr)
     return config, model, params, dtype
 
 
-def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
-    config, model, params, dtype = random_model(args, raw, placement, name)
+def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: int | None = None) -> list[dict]:
+    config, model, params, dtype = random_model(args, raw, placement, name, tp)
+    devices = tp or 1
     dtype_bytes = np.dtype(dtype).itemsize
     device = jax.devices()[0]
 
@@ -173,14 +185,13 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
     prefill_tps = llm.stats.prefill_tokens_per_second
     prefill_wall_tps = llm.stats.prefill_tokens / prefill_wall
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
-    mfu = (2 * params * prefill_tps / PEAK_BF16_FLOPS[kind]) if kind else float("nan")
+    mfu = (2 * params * prefill_tps / (devices * PEAK_BF16_FLOPS[kind])) if kind else float("nan")
     if args.trace:
         events = trace_events(lambda: llm.generate(prefill_prompts[:1], SamplingParams(max_new_tokens=1,
                                                                                        ignore_eos=True)), 1)
         chunks = -(-args.prompt_len // llm.scheduler_config.max_chunk)
         print_breakdown(f"prefill {name} (1 x {args.prompt_len}, chunk {llm.scheduler_config.max_chunk})",
                         step_breakdown(device_intervals(events), chunks))
-    layout = cache_layout(config, llm.placement, dtype_bytes)
     rows = []
     for batch in batches:
         # Decode at context prompt_len on caches admitted as prefilled.
@@ -202,13 +213,15 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float) -> li
             breakdown = step_breakdown(device_intervals(events), llm.stats.decode_steps - before)
             print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
             device_step_us = breakdown.get("span_us", float("nan"))
-        ideal = decode_bytes(layout, batch, args.prompt_len, dtype_bytes, params)
-        roofline_s = ideal / bandwidth
+        # The whole model's bytes over every device's bandwidth (replicated KV heads or padding not counted).
+        ideal = decode_bytes(cache_layout(config, llm.placement, dtype_bytes), batch, args.prompt_len, dtype_bytes, params)
+        roofline_s = ideal / (bandwidth * devices)
         rows.append({
             "device": device.device_kind,
             "date": time.strftime("%Y-%m-%d"),
             "config": os.path.basename(os.path.normpath(args.config_dir)),
             "placement": name,
+            "tp": tp or "none",
             "params_B": round(params / 1e9, 3),
             "batch": batch,
             "context": args.prompt_len,
@@ -255,13 +268,14 @@ def cache_capacity(layout, budget: int, page_size: int, max_len: int, limit: int
     return low
 
 
-def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> list[dict]:
-    config, model, params, dtype = random_model(args, raw, placement, name)
+def run_capacity(args, raw: dict, placement, name: str, bandwidth: float, tp: int | None = None) -> list[dict]:
+    config, model, params, dtype = random_model(args, raw, placement, name, tp)
     device = jax.devices()[0]
     max_len = args.prompt_len + args.output_len + args.page_size
     stats = device.memory_stats() or {}
     budget = int(stats.get("bytes_limit", 0) * 0.9) - int(stats.get("bytes_in_use", 0)) if stats else 2**28
-    layout = cache_layout(config, placement, np.dtype(dtype).itemsize)
+    per_device = model.local_config if tp else config  # a tensor-parallel device holds its share of each page
+    layout = cache_layout(per_device, placement, np.dtype(dtype).itemsize)
     count = cache_capacity(layout, budget, args.page_size, max_len)
     print(f"{device.device_kind}: {name}: the cache holds {count} requests of {max_len} tokens", file=sys.stderr)
     extra = {"decode_steps": args.decode_steps} if args.decode_steps else {}
@@ -276,7 +290,7 @@ def run_capacity(args, raw: dict, placement, name: str, bandwidth: float) -> lis
     tokens = sum(len(e.output.token_ids) for e in outputs)
     rows = [{
         "device": device.device_kind, "date": time.strftime("%Y-%m-%d"),
-        "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name,
+        "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name, "tp": tp or "none",
         "params_B": round(params / 1e9, 3), "context": args.prompt_len, "new_tokens": args.output_len,
         "requests": count, "output_tok_s": round(tokens / wall, 1),
         "step_ms": round(llm.stats.decode_seconds / max(llm.stats.decode_steps, 1) * 1e3, 3),

@@ -6,7 +6,8 @@
 # PART "engine05b" / "engine15b": the serving engine on random weights of the 0.5B and 15B geometries (configs from
 # $CONFIGS, default ../shared/configs; carry a copy when the device lacks it): decode steps, prefill with the
 # engine's defaults, start-up from a cold and a warm compilation cache, and the 15B capacity benchmark.
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b [--sweep]
+# PART "tp_parity" / "tp_bench": tensor parallelism (see their comments below).
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench [--sweep]
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -49,8 +50,26 @@ elif [ "$part" = engine15b ]; then
     --prefill-batch 1 --json "$out/engine_15b.jsonl"
   step capacity_15b 300 $gen --capacity --placement all-attention reg-lklhd-10 idealized-lklhd-6 \
     --prompt-len 32768 --output-len 256 --json "$out/capacity_15b.jsonl"
+elif [ "$part" = tp_parity ]; then
+  # Golden parity (float32) through the tensor-parallel path over $TP devices, one process per case in parallel
+  # (carry .goldens).
+  tp=${TP:-1}
+  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for case in ${APRIEL2_GOLDENS:-.goldens}/*/; do
+    step "parity_tp${tp}_$(basename "$case")" 300 python3 scripts/check_parity.py "$case" --tensor-parallel "$tp" &
+  done
+  wait
+elif [ "$part" = tp_bench ]; then
+  # The 15B decode/prefill and capacity at each entry of $TPS ("none": the one-device model), side by side.
+  tps=${TPS:-none 1}
+  configs=${CONFIGS:-../shared/configs}
+  gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
+  step engine_15b_tp 330 $gen --placement all-attention reg-lklhd-10 --batch 8 --prompt-len 32768 --output-len 32 \
+    --prefill-batch 1 --tensor-parallel $tps --json "$out/engine_15b_tp.jsonl"
+  step capacity_15b_tp 240 $gen --capacity --placement all-attention reg-lklhd-10 --prompt-len 32768 \
+    --output-len 64 --tensor-parallel $tps --json "$out/capacity_15b_tp.jsonl"
 else
-  echo "PART must be prefill, others, engine05b or engine15b, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b, engine15b tp_parity or tp_bench, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*

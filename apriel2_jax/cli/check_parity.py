@@ -14,8 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("case_dir", help="directory with config.json, model safetensors, golden.safetensors")
     parser.add_argument("--placement", default=None, help="check only this named placement of placements.json")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="split the model over N devices (forward and engine greedy checks)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="run the tensor-parallel path over N devices (forward and engine greedy checks; 1 checks "
+                        "that path on one device)")
     args = parser.parse_args(argv)
 
     import jax
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, PlacementError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform}, tensor parallel {args.tensor_parallel})")
+    print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform}, tensor parallel {args.tensor_parallel or 'none'})")
     print(format_table(results))
     failed = [r for r in results if not r.passed]
     if failed:
