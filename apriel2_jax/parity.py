@@ -161,8 +161,12 @@ def _run_split_checks(directory, case, names, dtype, checks, tensor_parallel) ->
         if "greedy" in checks:
             expected = case.greedy_ids[name]
             if llm is None:
+                # A cache and token budget sized to the case: the defaults would take most of the device.
+                longest = p + max(g.shape[1] for g in case.greedy_ids.values())
                 llm = LLM(model=model, dtype=dtype, placements=case.placements, placement=name, warm_up="none",
-                          max_num_seqs=case.input_ids.shape[0], log=lambda msg: None)
+                          max_num_seqs=case.input_ids.shape[0], max_model_len=longest + 1,
+                          max_num_batched_tokens=max(64, case.input_ids.shape[0] * p), cache_bytes=64 * 2**20,
+                          log=lambda msg: None)
             llm.set_placement(name)
             params = SamplingParams.greedy(max_new_tokens=expected.shape[1], ignore_eos=True)
             outputs = llm.generate([[int(t) for t in row[:p]] for row in case.input_ids], params)

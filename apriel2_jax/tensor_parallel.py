@@ -179,16 +179,16 @@ def random_sharded(config: Apriel2Config, mesh: Mesh | int, dtype=jnp.bfloat16, 
         mesh = make_mesh(mesh)
     plan = plan_tensor_parallel(config, mesh.shape[AXIS])
 
-    def leaves():
-        model = Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(seed))
-        return {_key(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
-
-    values = jax.jit(leaves)()  # one device's worth, on device 0; each device gets a copy of its local block
+    # One device's worth, built eagerly on device 0 (jitting the whole initialisation compiles for minutes at
+    # 15B); each device gets a copy of its local block.
+    local = Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(seed))
+    values = {_key(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(local))}
+    del local
 
     def make(key, struct, sharding):
-        local = values[key]
+        block = values.pop(key)
         return jax.make_array_from_single_device_arrays(
-            struct.shape, sharding, [jax.device_put(local, d) for d in sharding.addressable_devices_indices_map(struct.shape)]
+            struct.shape, sharding, [jax.device_put(block, d) for d in sharding.addressable_devices_indices_map(struct.shape)]
         )
 
     model = ShardedModel(plan, mesh, dtype, make)

@@ -60,14 +60,18 @@ elif [ "$part" = tp_parity ]; then
   done
   wait
 elif [ "$part" = tp_bench ]; then
-  # The 15B decode/prefill and capacity at each entry of $TPS ("none": the one-device model), side by side.
+  # The 15B decode/prefill and capacity at each entry of $TPS ("none": the one-device model), side by side, for
+  # $PLACEMENTS; CAPACITY=0 skips the capacity run.
   tps=${TPS:-none 1}
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
-  step engine_15b_tp 330 $gen --placement all-attention reg-lklhd-10 --batch 8 --prompt-len 32768 --output-len 32 \
+  placements=${PLACEMENTS:-all-attention reg-lklhd-10}
+  step engine_15b_tp 330 $gen --placement $placements --batch 8 --prompt-len 32768 --output-len 32 \
     --prefill-batch 1 --tensor-parallel $tps --json "$out/engine_15b_tp.jsonl"
-  step capacity_15b_tp 240 $gen --capacity --placement all-attention reg-lklhd-10 --prompt-len 32768 \
-    --output-len 64 --tensor-parallel $tps --json "$out/capacity_15b_tp.jsonl"
+  if [ "${CAPACITY:-1}" = 1 ]; then
+    step capacity_15b_tp 240 $gen --capacity --placement $placements --prompt-len 32768 \
+      --output-len 64 --tensor-parallel $tps --json "$out/capacity_15b_tp.jsonl"
+  fi
 else
   echo "PART must be prefill, others, engine05b, engine15b tp_parity or tp_bench, got '$part'" >&2
   exit 2

@@ -93,3 +93,24 @@ def test_replicated_tensors_and_errors():
         plan_tensor_parallel(parse_config(tiny_config_dict()), 0)
     with pytest.raises(ShardingError, match="vocab_size 10 is smaller than tensor_parallel=16"):
         plan_tensor_parallel(parse_config(tiny_config_dict(vocab_size=10)), 16)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_superapriel_15b_splits_evenly_up_to_eight(tp):
+    """32 query / 8 KV heads, GDN 32 value / 8 key heads, KDA 32 heads, MLP 14336: no padding, no copies."""
+    import os
+
+    from apriel2_jax.config import load_config
+    from tests.conftest import REPO
+
+    configs = os.path.join(REPO, "..", "shared", "configs")
+    if not os.path.isdir(configs):
+        configs = os.path.join(REPO, ".configs")
+    plan = plan_tensor_parallel(load_config(os.path.join(configs, "superapriel-15b-shaped")), tp)
+    mixers = dict(plan.local_config.blocks[0].mixer.mixers)
+    assert (mixers["attention"].heads, mixers["attention"].head_groups) == (32 // tp, 8 // tp)
+    assert (mixers["gdn"].value_heads, mixers["gdn"].key_heads) == (32 // tp, 8 // tp)
+    assert mixers["kda"].heads == 32 // tp
+    assert plan.local_config.blocks[0].mlp.intermediate_size == 14336 // tp
+    for key, shard in plan.tensors.items():
+        assert all(start is not None for start, _ in shard.pieces(tp - 1)), key  # no zero padding anywhere
