@@ -191,7 +191,10 @@ class LLM:
     def _budget_from_device(self, fraction: float) -> int:
         if not 0.0 < fraction <= 1.0:
             raise CacheConfigError(f"cache_memory_fraction must be in (0, 1], got {fraction!r}")
-        devices = self.model.mesh.devices.flat if isinstance(self.model, ShardedModel) else jax.devices()[:1]
+        if isinstance(self.model, ShardedModel):  # this process's devices (a mesh may span hosts)
+            devices = [d for d in self.model.mesh.devices.flat if d.process_index == jax.process_index()]
+        else:
+            devices = jax.devices()[:1]
         budgets = []
         for device in devices:  # tensor parallel: every device holds its share of every page; the tightest rules
             stats = device.memory_stats() or {}

@@ -233,6 +233,8 @@ def _pack_outputs(tokens: jax.Array, logprobs: jax.Array, counts: jax.Array) -> 
 
 
 def unpack_outputs(packed) -> StepOutputs:
+    if isinstance(packed, jax.Array) and not packed.is_fully_addressable:  # replicated over a multi-host mesh
+        packed = packed.addressable_data(0)
     packed = np.asarray(packed)
     n = (packed.shape[0] - 1) // 2
     return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[-1])
