@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from .config import Apriel2Config, load_config
-from .modules import Apriel2ForCausalLM
+from .modules import Apriel2ForCausalLM, checkpoint_key as _key
 from .orbax_checkpoint import is_converted, read_manifest, restore_tensors
 from .safetensors_io import CheckpointError, TensorInfo, index_checkpoint, read_tensor
 from .sharding import AXIS, make_mesh, plan_tensor_parallel
@@ -34,10 +34,6 @@ _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Keys a text-only model ignores on purpose: the multimodal wrapper's vision tower (spec Appendix B).
 _IGNORED_PREFIXES = ("model.vision_encoder.",)
-
-
-def _key(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def expected_parameters(config: Apriel2Config, dtype=jnp.float32) -> tuple[nnx.GraphDef, nnx.State, dict]:

@@ -42,7 +42,7 @@ Piece = tuple[int | None, int]
 
 
 class ShardingError(ValueError):
-    """The model cannot be split over the requested mesh; the message names the layer and field."""
+    """The model cannot be split over the requested mesh (too few devices or vocabulary rows, a bad size)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +145,6 @@ class TensorShard:
     def local_rows(self) -> int:
         return sum(_piece_rows(p) for p in self.pieces(0))
 
-    def source_rows(self) -> int:
-        return sum(s.source_rows for s in self.segments)
-
 
 def _piece_rows(piece: Piece) -> int:
     start, end_or_count = piece
@@ -194,10 +191,6 @@ class ShardPlan:
 
     def tensor(self, key: str) -> TensorShard:
         return self.tensors.get(key, replicated())
-
-    @property
-    def local_vocab(self) -> int:
-        return self.local_config.vocab_size
 
 
 def _attention(cfg: AttentionConfig, tp: int):
@@ -338,9 +331,12 @@ def cache_axis(name: str) -> int:
     raise ValueError(f"unknown cache array {name!r}")
 
 
-def default_mesh_devices(tp: int, devices: Sequence | None = None):
-    """The first ``tp`` devices (of the default backend), with a clear error when there are fewer."""
+def make_mesh(tp: int, devices: Sequence | None = None):
+    """A one-axis mesh (``AXIS``) over the first ``tp`` of ``devices`` (default: ``jax.devices()``). Multi-host:
+    call ``jax.distributed.initialize()`` first, then ``jax.devices()`` lists every host's devices and the mesh
+    spans them."""
     import jax
+    from jax.sharding import Mesh
 
     devices = list(jax.devices() if devices is None else devices)
     if tp > len(devices):
@@ -349,15 +345,7 @@ def default_mesh_devices(tp: int, devices: Sequence | None = None):
             f"({devices[0].platform if devices else 'none'}); on a CPU use "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} for virtual devices"
         )
-    return devices[:tp]
-
-
-def make_mesh(tp: int, devices: Sequence | None = None):
-    """A one-axis mesh (``AXIS``) over ``tp`` devices. Multi-host: call ``jax.distributed.initialize()`` first,
-    then ``jax.devices()`` lists every host's devices and the mesh spans them."""
-    from jax.sharding import Mesh
-
-    return Mesh(np.asarray(default_mesh_devices(tp, devices)), (AXIS,))
+    return Mesh(np.asarray(devices[:tp]), (AXIS,))
 
 
 __all__ = [

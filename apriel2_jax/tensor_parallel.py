@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import Apriel2Config
-from .modules import Apriel2ForCausalLM
+from .modules import Apriel2ForCausalLM, checkpoint_key as _key
 from .modules.attention import Attention
 from .modules.gdn import GatedDeltaNet
 from .modules.kda import KimiDeltaAttention
@@ -27,10 +27,6 @@ from .modules.mamba import Mamba
 from .modules.mlp import MLP
 from .placement import Placement
 from .sharding import AXIS, ShardPlan, cache_axis, make_mesh, plan_tensor_parallel, read_shard
-
-
-def _key(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def _spec(axis: int | None) -> P:
@@ -63,12 +59,12 @@ class ShardedModel:
         self.plan, self.mesh, self.dtype = plan, mesh, dtype
         self.config: Apriel2Config = plan.config
         self.local_config: Apriel2Config = plan.local_config
-        abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(0)))
+        abstract = _abstract_local(plan, dtype)
+        layout = parameter_layout(plan, mesh, dtype, abstract)
         abstract.vocab_size = plan.config.vocab_size
         mark_parallel(abstract)
         self.graphdef, state = nnx.split(abstract)
         flat = list(nnx.to_flat_state(state))
-        layout = parameter_layout(plan, mesh, dtype)
         specs = {}
         for path, var in flat:
             key = _key(path)
@@ -79,9 +75,6 @@ class ShardedModel:
         by_id = {id(var.get_value()): _key(path) for path, var in flat}
         self.keys = [by_id[id(leaf)] for leaf in self.param_leaves]
         self.param_specs = [specs[key] for key in self.keys]
-        self._abstract_local = nnx.eval_shape(
-            lambda: Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(0))
-        )
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------------------------------------------------
@@ -99,7 +92,8 @@ class ShardedModel:
 
     def init_paged_cache(self, placement: Placement, pages: dict[str, int], page_size: int, slots: int):
         """Empty engine caches, each device holding its heads' share (zeros, created in place)."""
-        local = jax.eval_shape(lambda: self._abstract_local.init_paged_cache(placement, pages, page_size, slots))
+        local_model = _abstract_local(self.plan, self.dtype)  # the caches' per-device shapes
+        local = jax.eval_shape(lambda: local_model.init_paged_cache(placement, pages, page_size, slots))
         specs = self.cache_specs(local)
         leaves, tree = jax.tree.flatten(local)
         out = []
@@ -128,9 +122,16 @@ class ShardedModel:
         return self._compiled[key](self.param_leaves, jnp.asarray(input_ids, jnp.int32))
 
 
-def parameter_layout(plan: ShardPlan, mesh: Mesh, dtype) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every parameter's global shape, dtype and ``NamedSharding`` over ``mesh`` (checkpoint key order)."""
-    abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(0)))
+def _abstract_local(plan: ShardPlan, dtype) -> Apriel2ForCausalLM:
+    """The per-device model, shapes only."""
+    return nnx.eval_shape(lambda: Apriel2ForCausalLM(plan.local_config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def parameter_layout(plan: ShardPlan, mesh: Mesh, dtype, abstract: Apriel2ForCausalLM | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter's global shape, dtype and ``NamedSharding`` over ``mesh`` (checkpoint key order);
+    ``abstract``: the per-device model when the caller has built it already."""
+    if abstract is None:
+        abstract = _abstract_local(plan, dtype)
     layout = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract)):
         key = _key(path)

@@ -22,7 +22,6 @@ Prints one table row per placement and batch; ``--json`` appends the rows to a J
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import json
@@ -47,24 +46,9 @@ from apriel2_jax.engine.step import Buckets  # noqa: E402
 from apriel2_jax.modules import Apriel2ForCausalLM  # noqa: E402
 from apriel2_jax.placement import load_placements, resolve_placement  # noqa: E402
 from apriel2_jax.tensor_parallel import random_sharded  # noqa: E402
+from convert.thinning import thin  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
-
-
-def pruned_config(data: dict, placement: tuple) -> dict:
-    """A pattern decoder with one plain block per layer holding only the placement's mixer."""
-    data = copy.deepcopy(data)
-    decoder = data["decoder"]
-    names = decoder["pattern"] if decoder.get("type") == "pattern" else None
-    blocks = {}
-    for i, name in enumerate(placement):
-        block = copy.deepcopy(decoder["blocks"][names[i % len(names)]] if names else decoder["block"])
-        if name is not None:
-            block["mixer"] = block["mixer"]["mixers"][name]
-        blocks[f"layer_{i}"] = block
-    data["decoder"] = {"type": "pattern", "num_blocks": len(placement), "blocks": blocks,
-                       "pattern": [f"layer_{i}" for i in range(len(placement))]}
-    return data
 
 
 def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, params: int) -> int:
@@ -130,7 +114,9 @@ def main(argv=None) -> int:
 def random_model(args, raw: dict, placement, name: str, tp: int | None = None):
     """(config, model, parameter count, dtype) of random weights of the placement's pruned supernet; split over
     ``tp`` devices (created on them at their per-device shapes) unless ``tp`` is None."""
-    config = parse_config(pruned_config(raw, placement))
+    # A serving deployment of one placement: the supernet thinned to its mixers (apriel2-convert --placement).
+    keep = [None if name is None else {name} for name in placement]
+    config = parse_config(thin(raw, parse_config(raw), keep)[0])
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.monotonic()
     abstract = nnx.eval_shape(lambda: Apriel2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -82,7 +82,7 @@ def test_vocabulary_is_padded_to_the_mesh():
     plan = plan_tensor_parallel(parse_config(tiny_config_dict(vocab_size=10)), 4)
     embed = plan.tensor("model.embed_tokens.weight")
     table = np.arange(10, dtype=np.float32)[:, None]
-    assert plan.local_vocab == 3
+    assert plan.local_config.vocab_size == 3
     assert read_shard(table, embed, 3)[:, 0].tolist() == [9, 0, 0]
 
 
@@ -104,8 +104,6 @@ def test_superapriel_15b_splits_evenly_up_to_eight(tp):
     from tests.conftest import REPO
 
     configs = os.path.join(REPO, "..", "shared", "configs")
-    if not os.path.isdir(configs):
-        configs = os.path.join(REPO, ".configs")
     plan = plan_tensor_parallel(load_config(os.path.join(configs, "superapriel-15b-shaped")), tp)
     mixers = dict(plan.local_config.blocks[0].mixer.mixers)
     assert (mixers["attention"].heads, mixers["attention"].head_groups) == (32 // tp, 8 // tp)

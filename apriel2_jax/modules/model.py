@@ -23,6 +23,11 @@ from .paged import PagedBatch, gather_rows, scatter_rows
 Cache = tuple[dict[str, jax.Array], ...]
 
 
+def checkpoint_key(path: tuple) -> str:
+    """The HF checkpoint key of a parameter at ``path`` in the model's state (the tree mirrors the HF keys)."""
+    return ".".join(str(p) for p in path)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: BlockConfig, hidden_size: int, norm_eps: float, *, dtype, rngs: nnx.Rngs):
         norm_type = cfg.normalization.type
