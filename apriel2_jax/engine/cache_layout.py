@@ -87,7 +87,8 @@ class CachePlan:
     pages: dict[str, int]  # family -> pages in the pool, sink included
     table_width: dict[str, int]  # family -> block-table columns a row needs at most
     slots: int  # state slots, sink included (0 if no recurrent layer)
-    bytes: dict[str, int]  # family -> bytes of its arrays
+    bytes: dict[str, int]  # family -> bytes of its arrays ("snapshots": the prefix cache's state snapshots)
+    snapshots: int = 0  # prefix-cache state snapshots, stored in the state arrays' rows after the slots
 
     def token_capacity(self, family: str) -> int:
         return (self.pages[family] - 1) * self.page_size
@@ -104,6 +105,8 @@ class CachePlan:
                 f"state: {len(layout.state.layers)} layers, {self.slots - 1} slots, "
                 f"{self.bytes['state'] / 2**20:.1f} MiB"
             )
+            if self.snapshots:
+                parts.append(f"prefix snapshots: {self.snapshots}, {self.bytes['snapshots'] / 2**20:.1f} MiB")
         return "; ".join(parts) if parts else "no cache"
 
 
@@ -121,15 +124,18 @@ def plan_cache(
     max_num_seqs: int,
     max_model_len: int,
     max_chunk: int,
+    snapshot_bytes: int = 0,
 ) -> CachePlan:
     """Split ``budget_bytes`` between the families: state slots for ``max_num_seqs`` sequences, window pools
-    for every sequence's window, and the rest to full attention (at least one ``max_model_len`` sequence)."""
+    for every sequence's window, and the rest to full attention (at least one ``max_model_len`` sequence).
+    Prefix-cache state snapshots take up to ``snapshot_bytes`` of what is left after those minimums."""
     if page_size < 1 or max_num_seqs < 1 or max_model_len < 1 or max_chunk < 1:
         raise CacheConfigError("page_size, max_num_seqs, max_model_len and max_chunk must all be >= 1")
     full_width = math.ceil(max_model_len / page_size)
     pages, widths, nbytes = {}, {}, {}
     used = 0
     slots = 0
+    snapshots = 0
     if layout.state:
         slots = max_num_seqs + 1
         nbytes["state"] = slots * layout.state.slot_bytes
@@ -150,6 +156,12 @@ def plan_cache(
             f"windows of max_num_seqs={max_num_seqs} sequences ({used / 2**20:.1f} MiB needed): lower "
             f"max_num_seqs or raise the memory budget"
         )
+    if layout.state and snapshot_bytes > 0:
+        full_minimum = (full_width + 1) * page_size * full.token_bytes if full is not None else 0
+        room = max(0, min(snapshot_bytes, budget_bytes - used - full_minimum))
+        snapshots = room // layout.state.slot_bytes
+        nbytes["snapshots"] = snapshots * layout.state.slot_bytes
+        used += nbytes["snapshots"]
     if full is not None:
         page_bytes = page_size * full.token_bytes
         count = (budget_bytes - used) // page_bytes - 1  # usable pages; the sink takes one more
@@ -163,4 +175,4 @@ def plan_cache(
         widths[full.key] = full_width
         pages[full.key] = int(count) + 1
         nbytes[full.key] = pages[full.key] * page_bytes
-    return CachePlan(page_size, pages, widths, slots, nbytes)
+    return CachePlan(page_size, pages, widths, slots, nbytes, snapshots)

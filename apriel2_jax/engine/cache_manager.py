@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
 
 from .cache_layout import SINK, CacheLayout, CachePlan
 from .pools import PagePool, PoolError, SlotPool
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixHit
 
 
 @dataclasses.dataclass
@@ -45,22 +48,30 @@ class CacheManager:
         self.metadata_builds = 0  # one per step, never one per layer (see tests/engine)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _visible_from(self, family: str, computed: int) -> int:
+    def first_visible_page(self, family: str, computed: int) -> int:
         """First logical page the next chunk (starting at position ``computed``) can attend to."""
         window = self.windows[family]
         if window is None:
             return 0
         return max(0, computed - window + 1) // self.page_size
 
-    def try_allocate(self, request_id: Hashable, computed: int, new_tokens: int) -> bool:
+    def try_allocate(self, request_id: Hashable, computed: int, new_tokens: int, hit: "PrefixHit | None" = None) -> bool:
         """Make room for positions [computed, computed + new_tokens). All or nothing across families: returns
-        False (and allocates nothing) when a pool is short, so the caller can preempt and retry."""
+        False (and allocates nothing) when a pool is short, so the caller can preempt and retry. ``hit``: a
+        request not yet holding blocks starts from these cached pages (``computed`` is then the hit length)."""
         blocks = self._requests.get(request_id)
+        reviving = {f: 0 for f in self.pools}  # cached pages of the hit that nobody references: no longer free
         if blocks is None:
-            blocks = RequestBlocks({f: [] for f in self.pools}, {f: 0 for f in self.pools})
-            self._requests[request_id] = blocks
+            if hit is not None:
+                blocks = RequestBlocks({f: list(hit.pages[f]) for f in self.pools}, dict(hit.first_page))
+                reviving = {f: sum(map(self.pools[f].is_evictable, hit.pages[f])) for f in self.pools}
+            else:
+                blocks = RequestBlocks({f: [] for f in self.pools}, {f: 0 for f in self.pools})
+            fresh = True
+        else:
+            fresh = False
         for family, pool in self.pools.items():
-            first = self._visible_from(family, computed)
+            first = self.first_visible_page(family, computed)
             drop = min(first - blocks.first_page[family], len(blocks.tables[family]))
             if drop > 0:
                 table = blocks.tables[family]
@@ -73,11 +84,15 @@ class CacheManager:
         needed = {
             family: max(0, end_page - blocks.first_page[family] - len(blocks.tables[family])) for family in self.pools
         }
-        if any(needed[f] > self.pools[f].num_free for f in self.pools):
+        if any(needed[f] + reviving[f] > self.pools[f].num_free for f in self.pools):
             return False
         needs_slot = self.slots is not None and blocks.slot == SINK
         if needs_slot and self.slots.num_free == 0:
             return False
+        if fresh:
+            for family, table in blocks.tables.items():
+                self.pools[family].retain(table)
+            self._requests[request_id] = blocks
         for family, count in needed.items():
             if count:
                 blocks.tables[family].extend(self.pools[family].allocate(count))
@@ -86,12 +101,13 @@ class CacheManager:
         return True
 
     def free(self, request_id: Hashable) -> None:
-        """Release every page and the slot of a request (finished, aborted or preempted)."""
+        """Release every page and the slot of a request (finished, aborted or preempted). Pages go last-first,
+        so cached ones are evicted tail before prefix."""
         blocks = self._requests.pop(request_id, None)
         if blocks is None:
             return
         for family, table in blocks.tables.items():
-            self.pools[family].release(table)
+            self.pools[family].release(reversed(table))
         if blocks.slot != SINK:
             self.slots.release(blocks.slot, request_id)
 

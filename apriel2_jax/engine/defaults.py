@@ -17,6 +17,8 @@ class EngineDefaults:
     decode_steps: int = 8
     cache_memory_fraction: float = 0.85
     warm_up: str = "few"
+    prefix_caching: bool = True
+    snapshot_memory_fraction: float = 0.1  # of the cache budget, for prefix-cache recurrent-state snapshots
 
 
 DEFAULTS = EngineDefaults()

@@ -29,6 +29,7 @@ from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
 from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
+from .prefix_cache import PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from .step import Buckets, StepRunner, build_inputs, unpack_outputs
@@ -69,6 +70,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     preemptions: int = 0
     peak_usage: dict = dataclasses.field(default_factory=dict)
+    prefix: PrefixStats = dataclasses.field(default_factory=PrefixStats)  # prefix-cache hits, this placement
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -99,6 +101,8 @@ class LLM:
         cache_memory_fraction: float = DEFAULTS.cache_memory_fraction,
         cache_bytes: int | None = None,
         num_state_slots: int | None = None,
+        enable_prefix_caching: bool = DEFAULTS.prefix_caching,
+        snapshot_memory_fraction: float = DEFAULTS.snapshot_memory_fraction,
         seed: int = 0,
         tokenizer=None,
         debug_checks: bool = False,
@@ -116,7 +120,10 @@ class LLM:
         per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
         compiled steps with another engine over the same model (e.g. to compare scheduler settings without
         recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
-        pages and state slots are split the same way and the cache budget is per device."""
+        pages and state slots are split the same way and the cache budget is per device.
+        ``enable_prefix_caching``: keep computed attention pages and recurrent-state snapshots for requests that
+        share a prefix (``engine/prefix_cache.py``); snapshots take up to ``snapshot_memory_fraction`` of the
+        cache budget."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -165,6 +172,10 @@ class LLM:
                 f"max_num_seqs={max_num_seqs} exceeds num_state_slots={num_state_slots}: every running sequence "
                 f"needs its own recurrent-state slot; lower max_num_seqs or raise num_state_slots"
             )
+        if not 0.0 <= snapshot_memory_fraction < 1.0:
+            raise CacheConfigError(f"snapshot_memory_fraction must be in [0, 1), got {snapshot_memory_fraction!r}")
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.snapshot_memory_fraction = snapshot_memory_fraction
         self.page_size = page_size
         self.seed = seed
         self.debug_checks = debug_checks
@@ -224,16 +235,25 @@ class LLM:
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_chunk=max(self.scheduler_config.max_chunk, self.decode_steps),
+            snapshot_bytes=int(self._cache_bytes * self.snapshot_memory_fraction) if self.enable_prefix_caching else 0,
         )
         self.plan = plan
         self.cache_manager = CacheManager(self.layout, plan)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager)
+        self.stats.prefix = PrefixStats()
+        self.prefix_cache = None
+        if self.enable_prefix_caching:  # a new placement starts with an empty prefix cache
+            self.prefix_cache = PrefixCache(
+                self.cache_manager, prefix_root(resolved, plan.page_size), (plan.slots, plan.snapshots),
+                stats=self.stats.prefix,
+            )
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.prefix_cache)
         self.placement = resolved
         self.log(f"cache: {plan.summary(self.layout)}")
+        rows = plan.slots + plan.snapshots  # state arrays: slots, then snapshots
         if isinstance(self.model, ShardedModel):
-            self._cache = self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots)
+            self._cache = self.model.init_paged_cache(resolved, plan.pages, plan.page_size, rows)
         else:
-            self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, plan.slots))()
+            self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, rows))()
         if self._warm_up != "none":
             self._cache = self.runner.warm_up(
                 self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,
@@ -329,6 +349,9 @@ class LLM:
         self.stats.preemptions += len(step.preempted)
         if not step.rows:
             return
+        if self.prefix_cache is not None and self.layout.state:  # snapshots saved after the last step, then restored
+            for pairs in self.prefix_cache.take_copies():
+                self._cache = self.runner.copy_state_rows(self._cache, self.layout.state.layers, pairs)
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)

@@ -1,10 +1,13 @@
-"""Host-side id pools: attention pages (one pool per family) and recurrent state slots. Plain Python.
+"""Host-side id pools: attention pages (one pool per family), recurrent state slots, and state snapshots for
+prefix caching. Plain Python.
 
 Id 0 of every pool is the sink: it absorbs the writes of padded rows and tokens, and is never allocated,
 referenced, or freed.
 """
 
 from __future__ import annotations
+
+import collections
 
 from .cache_layout import SINK
 
@@ -46,46 +49,107 @@ class _IdPool:
 
 
 class PagePool(_IdPool):
+    """Attention pages with reference counts. With prefix caching, a full page can be *cached* under the hash
+    of the tokens it holds (:mod:`.prefix_cache`): when its last reference goes it stays readable, on a
+    least-recently-used list, until an allocation finds no never-cached page free and evicts it."""
+
     kind = "page pool"
 
     def __init__(self, name: str, num_pages: int):
         super().__init__(name, num_pages)
         self._refs = [0] * num_pages
+        self._hash: dict[int, bytes] = {}  # cached page -> its hash
+        self._by_hash: dict[bytes, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
+        self.evictions = 0
 
     @property
     def num_pages(self) -> int:
         return self.size
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash)
+
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise PoolError(f"page pool {self.name!r}: {count} pages asked, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(count)]
-        for i in ids:
-            self._refs[i] = 1
+        if count > self.num_free:
+            raise PoolError(f"page pool {self.name!r}: {count} pages asked, {self.num_free} free")
+        ids = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:  # evict the least recently used cached page
+                page, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash.pop(page)]
+                self.evictions += 1
+            self._refs[page] = 1
+            ids.append(page)
         return ids
 
     def retain(self, ids) -> None:
-        """One more reference to pages already in use (a shared prefix)."""
+        """One more reference to each page: in use (a shared prefix) or cached and unreferenced (a hit)."""
         for i in ids:
-            if i == SINK or self._refs[i] == 0:
-                raise PoolError(f"page pool {self.name!r}: retain of page {i}, which is not in use")
+            if i == SINK or (self._refs[i] == 0 and i not in self._evictable):
+                raise PoolError(f"page pool {self.name!r}: retain of page {i}, which is neither in use nor cached")
+            if self._refs[i] == 0:
+                del self._evictable[i]
             self._refs[i] += 1
 
     def release(self, ids) -> None:
+        """Drop one reference to each page; a page left unreferenced is free, or evictable if it is cached.
+        Pass a request's pages last-first, so its tail is evicted before the prefix it shares."""
         for i in ids:
             if i == SINK or self._refs[i] == 0:
                 raise PoolError(f"page pool {self.name!r}: release of page {i}, which is not in use")
             self._refs[i] -= 1
             if self._refs[i] == 0:
-                self._free.append(i)
+                if i in self._hash:
+                    self._evictable[i] = None
+                else:
+                    self._free.append(i)
+
+    def cache(self, page: int, key: bytes) -> None:
+        """Publish a full, computed page under ``key``. A page already cached, or a key already held by another
+        page (two requests computed the same prefix at once), is left as it is."""
+        if page == SINK or self._refs[page] == 0:
+            raise PoolError(f"page pool {self.name!r}: caching page {page}, which is not in use")
+        if page not in self._hash and key not in self._by_hash:
+            self._hash[page] = key
+            self._by_hash[key] = page
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._by_hash.get(key)
+
+    def hash_of(self, page: int) -> bytes | None:
+        return self._hash.get(page)
+
+    def is_evictable(self, page: int) -> bool:
+        return page in self._evictable
+
+    def touch(self, page: int) -> None:
+        """A cached, unreferenced page was just hit: evict it last."""
+        if page in self._evictable:
+            self._evictable.move_to_end(page)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
     def check(self) -> None:
-        if self._refs[SINK] != 0:
-            raise PoolError(f"page pool {self.name!r}: the sink has references")
-        self._check_free_list({i for i in range(1, self.size) if self._refs[i] > 0})
+        if self._refs[SINK] != 0 or SINK in self._hash:
+            raise PoolError(f"page pool {self.name!r}: the sink has references or a hash")
+        in_use = {i for i in range(1, self.size) if self._refs[i] > 0}
+        evictable = set(self._evictable)
+        if evictable & in_use or evictable & set(self._free):
+            raise PoolError(f"page pool {self.name!r}: an evictable page is also in use or free")
+        if any(i not in self._hash for i in evictable) or any(self._hash[p] not in self._by_hash for p in self._hash):
+            raise PoolError(f"page pool {self.name!r}: an evictable page has no hash, or the hash maps disagree")
+        if any(self._hash.get(p) != k for k, p in self._by_hash.items()) or set(self._free) & set(self._hash):
+            raise PoolError(f"page pool {self.name!r}: the hash maps disagree, or a free page is cached")
+        self._check_free_list(in_use | evictable)
 
 
 class SlotPool(_IdPool):
@@ -119,3 +183,56 @@ class SlotPool(_IdPool):
 
     def check(self) -> None:
         self._check_free_list(set(self._owner))
+
+
+class SnapshotPool:
+    """Copies of a sequence's recurrent state (every recurrent layer's conv and SSM rows) at a page boundary,
+    keyed by the hash of the prefix before it. They live in the same device arrays as the state slots, in rows
+    ``first .. first + count - 1`` after them, so saving and restoring are row copies within one array.
+
+    Least recently used snapshots are overwritten first; one whose save is still queued (``pinned``) is not."""
+
+    def __init__(self, first: int, count: int):
+        self.first = first
+        self.count = count
+        self._free = list(range(first + count - 1, first - 1, -1))
+        self._by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest first
+        self._pinned: set[int] = set()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._by_hash.get(key)
+
+    def touch(self, key: bytes) -> None:
+        self._by_hash.move_to_end(key)
+
+    def store(self, key: bytes) -> int | None:
+        """A row for a new snapshot under ``key``, pinned until :meth:`unpin`; None if ``key`` is stored already
+        or every row is pinned."""
+        if key in self._by_hash:
+            self._by_hash.move_to_end(key)
+            return None
+        if self._free:
+            row = self._free.pop()
+        else:
+            victim = next((k for k, r in self._by_hash.items() if r not in self._pinned), None)
+            if victim is None:
+                return None
+            row = self._by_hash.pop(victim)
+            self.evictions += 1
+        self._by_hash[key] = row
+        self._pinned.add(row)
+        return row
+
+    def unpin(self) -> None:
+        self._pinned.clear()
+
+    def check(self) -> None:
+        rows = list(self._by_hash.values())
+        if len(set(rows)) != len(rows) or set(rows) & set(self._free):
+            raise PoolError("snapshot pool: a row is stored twice or stored and free")
+        if len(rows) + len(self._free) != self.count or any(not self.first <= r < self.first + self.count for r in rows):
+            raise PoolError("snapshot pool: stored + free != capacity, or a row outside the pool")

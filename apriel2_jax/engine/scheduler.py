@@ -24,6 +24,7 @@ import itertools
 from typing import Any, Callable, Hashable
 
 from .cache_manager import CacheManager
+from .prefix_cache import PrefixCache
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +50,11 @@ class Request:
     streamed_chars: int = 0  # characters of ``text`` already streamed
     checker: Any = None  # StopChecker of this request
     timings: dict = dataclasses.field(default_factory=dict)
+    # Prefix caching: the hash chain of the request's full pages, how many of them are published, and whether
+    # its cache contents are real (False for benchmark admissions that skip the prefill).
+    page_hashes: list = dataclasses.field(default_factory=list)
+    cached_pages: int = 0
+    prefix_cacheable: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -102,9 +108,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, prefix: PrefixCache | None = None):
         self.config = config
         self.cache = cache
+        self.prefix = prefix
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self._arrivals = itertools.count()
@@ -129,6 +136,7 @@ class Scheduler:
             raise RuntimeError(f"cannot admit: no cache room for {cached_tokens} tokens")
         request.arrival = next(self._arrivals)
         request.num_computed = cached_tokens
+        request.prefix_cacheable = False  # its cache holds no real contents
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -137,7 +145,7 @@ class Scheduler:
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
-                    self.cache.free(request_id)
+                    self._release(request)
                     request.status = RequestStatus.FINISHED
                     request.finish_reason = "abort"
                     return request
@@ -145,7 +153,7 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str) -> None:
         self.running.remove(request)
-        self.cache.free(request.request_id)
+        self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -154,9 +162,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        """Give back the request's pages and slot (its computed pages stay cached with prefix caching)."""
+        if self.prefix is not None:
+            self.prefix.release(request)
+        self.cache.free(request.request_id)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens of the request's next prefill chunk (from ``num_computed``) within ``budget``."""
+        start = request.num_computed
+        end = start + min(request.pending, self.config.max_chunk, budget)
+        if self.prefix is not None:
+            end = self.prefix.chunk_end(request, start, end)
+        return end - start
+
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
-        self.cache.free(request.request_id)
+        self._release(request)
         request.preemptions.append((request.num_computed, len(request.output_ids)))
         request.num_computed = 0
         request.status = RequestStatus.WAITING
@@ -220,7 +242,7 @@ class Scheduler:
             if len(rows) >= cfg.max_prefill_rows or budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING and request.pending > 1:
-                length = min(request.pending, cfg.max_chunk, budget)
+                length = self._chunk(request, budget)
                 if not fits(length):
                     break
                 if self._allocate(request, length, preempted):
@@ -230,17 +252,25 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting[0]
-            length = min(request.pending, cfg.max_chunk, budget)
-            if not fits(length):
+            hit = self.prefix.match(request) if self.prefix is not None else None
+            if hit is not None and self.prefix.should_wait(request, hit, self.running):
                 break
-            if not self.cache.try_allocate(request.request_id, 0, length):
-                self.cache.free(request.request_id)  # nothing to preempt for a newcomer: wait for pages
+            request.num_computed = hit.tokens if hit is not None else 0
+            length = self._chunk(request, budget)
+            admitted = False
+            if fits(length):
+                if hit is not None:
+                    admitted = self.prefix.admit(request, hit, length)
+                else:
+                    admitted = self.cache.try_allocate(request.request_id, 0, length)
+            if not admitted:  # nothing to preempt for a newcomer: wait for pages
+                request.num_computed = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= length
-            rows.append(ScheduledRow(request, 0, length, length == request.pending))
+            rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
         return [row for row in rows if row.request.status is RequestStatus.RUNNING]
 
     def complete(self, step: ScheduledStep, fed: dict | None = None) -> None:
@@ -248,9 +278,16 @@ class Scheduler:
         step fed it when that differs from its row's length (a decode row that ran several iterations)."""
         for row in step.rows:
             row.request.num_computed = row.start + (fed or {}).get(row.request, row.length)
+            if self.prefix is not None:
+                if step.kind == "prefill":
+                    self.prefix.chunk_done(row.request, row.start + row.length)
+                else:  # sampled tokens are appended after this: they are published on the next call
+                    self.prefix.record(row.request)
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
+        if self.prefix is not None:
+            self.prefix.check(self.running)
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running requests > max_num_seqs {self.config.max_num_seqs}")
         for request in self.running:

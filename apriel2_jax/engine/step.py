@@ -240,6 +240,16 @@ def unpack_outputs(packed) -> StepOutputs:
     return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[-1])
 
 
+@functools.partial(jax.jit, static_argnames=("layers",), donate_argnums=(0,))
+def _copy_rows(cache, source, destination, *, layers):
+    # Rows are the leading axis of every state array; a tensor-parallel split is on a later (head) axis, so
+    # the copy needs no communication.
+    cache = list(cache)
+    for i in layers:
+        cache[i] = jax.tree.map(lambda a: a.at[destination].set(a[source]), cache[i])
+    return tuple(cache)
+
+
 class StepRunner:
     """Owns the model parameters and the jitted steps; counts compilations (each trace is one).
 
@@ -348,6 +358,17 @@ class StepRunner:
             filters = ", top-k/top-p sampler" if inputs.filters else ""
             self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
         return outputs, cache_tree.unflatten(leaves)
+
+    def copy_state_rows(self, cache, layers: tuple[int, ...], pairs: Sequence[tuple[int, int]]):
+        """Copy rows of every recurrent layer's state arrays (conv and SSM), ``(source, destination)`` pairs at
+        once: prefix-cache snapshots saved from state slots or restored into them. Pairs are padded to a power
+        of two with sink-to-sink copies, so few shapes compile."""
+        if not pairs:
+            return cache
+        size = 1 << (len(pairs) - 1).bit_length()
+        rows = np.zeros((2, size), np.int32)
+        rows[:, : len(pairs)] = np.asarray(pairs, np.int32).T
+        return _copy_rows(cache, rows[0], rows[1], layers=tuple(layers))
 
     def _specs_of(self, cache, cache_tree) -> tuple | None:
         if self.sharded is None:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from apriel2_jax.engine.cache_layout import AttentionFamily, CacheLayout, StateFamily, plan_cache
 from apriel2_jax.engine.cache_manager import CacheManager
+from apriel2_jax.engine.prefix_cache import PrefixCache, prefix_root
 from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
@@ -21,7 +22,9 @@ def _padded(rows, longest):
     return _pow2(rows) * _pow2(longest)
 
 
-def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages, decode_steps=1, padded=None):
+def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages, decode_steps=1, padded=None,
+            snapshots=None):
+    """``snapshots``: None without prefix caching, else the size of its snapshot pool."""
     layout = CacheLayout(
         (AttentionFamily("window_%d" % window, window, (1,), 4), AttentionFamily("full", None, (0,), 4)),
         StateFamily((2, 3), 64),
@@ -33,7 +36,10 @@ def _engine(page_size, max_num_seqs, budget_tokens, chunk, window, extra_pages, 
     plan = type(plan)(plan.page_size, dict(plan.pages, full=full_pages + 1), plan.table_width, plan.slots, plan.bytes)
     manager = CacheManager(layout, plan)
     config = SchedulerConfig(max_num_seqs, budget_tokens, chunk, 3, decode_steps, MAX_LEN, padded)
-    return Scheduler(config, manager)
+    prefix = None
+    if snapshots is not None:
+        prefix = PrefixCache(manager, prefix_root(("x",), page_size), (plan.slots, snapshots), known_capacity=64)
+    return Scheduler(config, manager, prefix)
 
 
 def _check_step(scheduler, step):
@@ -63,7 +69,18 @@ def _check_step(scheduler, step):
         assert all(row.length <= scheduler.config.max_chunk for row in step.rows)
 
 
-def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
+def _check_copies(scheduler, saves, restores):
+    """Saves read a slot and write a snapshot row; restores the reverse, each into a distinct live slot."""
+    slots = scheduler.cache.plan.slots
+    for source, destination in saves:
+        assert 0 < source < slots <= destination
+    for source, destination in restores:
+        assert 0 < destination < slots <= source
+    assert len({d for _, d in restores}) == len(restores)
+
+
+def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
+    """``prefixes``: token lists that prompts start with, half of the time."""
     next_id = 0
     live = {}
     steps_run = 0
@@ -73,6 +90,9 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
         # Offered load stays bounded so that the run measures scheduling, not an ever-growing queue.
         if arriving and len(scheduler.waiting) < 2 * scheduler.config.max_num_seqs and rng.random() < arrival_rate:
             prompt = [rng.randrange(50) for _ in range(rng.randint(1, MAX_LEN // 2))]
+            if prefixes and rng.random() < 0.5:
+                prefix = rng.choice(prefixes)
+                prompt = (prefix[: rng.randint(1, len(prefix))] + prompt)[: MAX_LEN // 2]
             params = SamplingParams(max_new_tokens=rng.randint(1, MAX_LEN - len(prompt) - 1))
             request = Request(next_id, prompt, params)
             live[next_id] = request
@@ -88,6 +108,8 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate):
             assert not scheduler.running and not scheduler.waiting
             continue
         _check_step(scheduler, step)
+        if scheduler.prefix is not None:
+            _check_copies(scheduler, *scheduler.prefix.take_copies())
         # A decode row may stop anywhere within its budget (a stop token on the device).
         fed = {row.request: rng.randint(1, row.budget) for row in step.rows if step.kind == "decode"}
         scheduler.complete(step, fed)
@@ -173,3 +195,62 @@ def test_abort_releases_everything():
     assert scheduler.abort(99) is None
     assert all(used == 0 for used, _ in scheduler.cache.usage().values())
     scheduler.check_invariants()
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    page_size=st.sampled_from([1, 4, 16]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(4, 64),
+    chunk_fraction=st.floats(0.1, 1.0),
+    window=st.integers(1, 40),
+    extra_pages=st.integers(0, 12),
+    arrival_rate=st.floats(0.1, 0.9),
+    abort_rate=st.floats(0.0, 0.1),
+    decode_steps=st.integers(1, 5),
+    snapshots=st.integers(0, 6),
+)
+def test_random_traffic_with_shared_prefixes_and_prefix_caching_keeps_every_invariant(
+    seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate,
+    decode_steps, snapshots,
+):
+    """Shared prefixes, tight pools and a small snapshot pool: refcounts equal table references and published
+    pages are held only at their own prefix's index after every step; nothing is referenced after draining."""
+    chunk = max(1, int(budget * chunk_fraction))
+    scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages, decode_steps, _padded,
+                        snapshots=snapshots)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(MAX_LEN // 2)] for _ in range(3)]
+    _simulate(scheduler, rng, 500, arrival_rate, abort_rate, prefixes)
+    usage = scheduler.cache.usage()
+    assert all(used == 0 for used, _ in usage.values()), usage
+    scheduler.check_invariants()
+    stats = scheduler.prefix.stats
+    assert 0 <= stats.hit_tokens <= stats.query_tokens
+
+
+def test_cached_pages_are_evicted_under_pressure_and_hits_still_resume_correctly():
+    """Distinct prompts through a tight pool evict cached pages and snapshots; the last three share a prefix
+    and hit each other (the second at the first's chunk end 16, the third at the branch point 20)."""
+    scheduler = _engine(page_size=4, max_num_seqs=2, budget_tokens=16, chunk=8, window=5, extra_pages=2,
+                        snapshots=3)
+    rng = random.Random(0)
+    shared = [rng.randrange(50) for _ in range(20)]
+    for i in range(12):
+        tokens = shared + [i] * 5 if i >= 9 else [rng.randrange(50) for _ in range(30)]
+        request = Request(i, tokens, SamplingParams(max_new_tokens=3))
+        scheduler.add(request)
+        while scheduler.has_work:
+            step = scheduler.schedule()
+            scheduler.prefix.take_copies()
+            scheduler.complete(step)
+            for row in step.rows:
+                if row.samples:
+                    row.request.output_ids.append(1)
+                    if len(row.request.output_ids) >= 3:
+                        scheduler.finish(row.request, "length")
+            scheduler.check_invariants()
+    assert scheduler.cache.pools["full"].evictions > 0 and scheduler.prefix.snapshots.evictions > 0
+    assert scheduler.prefix.stats.hit_tokens == 16 + 20
+    assert all(used == 0 for used, _ in scheduler.cache.usage().values())

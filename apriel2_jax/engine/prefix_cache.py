@@ -1,0 +1,299 @@
+"""Prefix caching for hybrid models: attention pages and recurrent-state snapshots, each at its natural size.
+Plain Python.
+
+Identity. A full page of a sequence is named by a hash chain: the hash of page ``j`` covers the hash of page
+``j - 1`` and page ``j``'s token ids; the chain starts from a root that covers the placement and page size. So a
+hash names a whole prefix, and ``chain[k - 1]`` names the first ``k`` pages.
+
+What is kept.
+- Attention (full and each window width): every full, computed page is published in its family's pool under
+  its hash (:meth:`PagePool.cache`). When no request references it any more it stays readable on an LRU list
+  and is evicted only when the pool runs out of never-cached pages. Pages are shared by refcount, never copied.
+- Recurrent layers (GDN, KDA, Mamba): a *snapshot* of every recurrent layer's conv and SSM state, taken after a
+  prefill chunk that ends on a page boundary and stored under that boundary's hash, in a pool with its own
+  budget (:class:`SnapshotPool`; rows of the state arrays after the slots, at the state's natural size).
+
+A hit for a request is the longest page boundary ``k * page_size`` (leaving at least one token to compute) at
+which every family can resume: full attention holds pages ``0 .. k - 1``; a window family holds the pages a
+query at ``k * page_size`` still sees; the state family holds a snapshot at ``k`` (``k = 0`` needs nothing).
+
+Where snapshots are taken. With recurrent layers, chunks of a prefill end on page boundaries (the last chunk
+ends at the prompt), and a chunk also ends where the request's prefix stops being *known* (computed before by
+any request, whether or not its pages are still cached): that is the branch point at which later requests
+sharing the prefix diverge, so the first request past it leaves the snapshot they need. A waiting request that
+would miss only because another running request is about to reach that point waits for it instead of
+recomputing the prefix in parallel.
+
+Device work is queued here and done by the engine before the next step: saves (slot row -> snapshot row) first,
+then restores (snapshot row -> slot row); row copies inside the state arrays.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
+
+import numpy as np
+
+from .cache_layout import SINK
+from .cache_manager import CacheManager
+from .pools import PoolError, SnapshotPool
+
+if TYPE_CHECKING:
+    from .scheduler import Request
+
+HASH_BYTES = 16
+
+
+def prefix_root(placement: Sequence[str | None], page_size: int) -> bytes:
+    """The start of every hash chain: pages computed under another placement or page size never match."""
+    return hashlib.blake2b(repr((tuple(placement), page_size)).encode(), digest_size=HASH_BYTES).digest()
+
+
+def extend_chain(chain: list[bytes], tokens: Sequence[int], page_size: int, pages: int, root: bytes) -> None:
+    """Append hashes to ``chain`` until it names the first ``pages`` full pages of ``tokens``."""
+    for j in range(len(chain), pages):
+        page = np.asarray(tokens[j * page_size : (j + 1) * page_size], np.int32)
+        h = hashlib.blake2b(chain[-1] if chain else root, digest_size=HASH_BYTES)
+        h.update(page.tobytes())
+        chain.append(h.digest())
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    tokens: int  # cached tokens the request resumes after (a multiple of the page size; 0: a miss)
+    pages: dict[str, list[int]]  # family -> cached page ids from ``first_page`` up to the hit
+    first_page: dict[str, int]  # family -> first logical page the request still needs
+    snapshot: int | None  # snapshot row to restore into the request's state slot
+    family_tokens: dict[str, int]  # family -> the longest prefix that family alone holds (for statistics)
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    queries: int = 0  # admissions looked up (a preempted request is looked up again when it comes back)
+    query_tokens: int = 0  # tokens of those requests at admission
+    hit_tokens: int = 0  # tokens not recomputed
+    family_hit_tokens: dict = dataclasses.field(default_factory=dict)
+    snapshots_saved: int = 0
+    snapshots_restored: int = 0
+
+    def hit_rate(self, family: str | None = None) -> float:
+        hits = self.hit_tokens if family is None else self.family_hit_tokens.get(family, 0)
+        return hits / self.query_tokens if self.query_tokens else 0.0
+
+    def summary(self) -> str:
+        families = ", ".join(f"{f} {self.hit_rate(f):.0%}" for f in self.family_hit_tokens)
+        return (
+            f"prefix cache: {self.hit_tokens} of {self.query_tokens} prompt tokens cached ({self.hit_rate():.0%}); "
+            f"per family: {families or 'none'}; {self.snapshots_saved} state snapshots saved, "
+            f"{self.snapshots_restored} restored"
+        )
+
+
+class PrefixCache:
+    """Hashes, lookups and snapshot bookkeeping over a :class:`CacheManager`'s pools."""
+
+    def __init__(self, manager: CacheManager, root: bytes, snapshot_rows: tuple[int, int] | None = None,
+                 known_capacity: int | None = None, stats: PrefixStats | None = None):
+        """``snapshot_rows``: (first row, count) of the snapshot pool in the state arrays; None or a count of 0
+        when the placement has no recurrent layer or no room for snapshots."""
+        self.manager = manager
+        self.page_size = manager.page_size
+        self.root = root
+        self.has_state = manager.slots is not None
+        self.snapshots = SnapshotPool(*snapshot_rows) if self.has_state and snapshot_rows and snapshot_rows[1] else None
+        # Prefixes computed by some request (a bounded LRU set of chain hashes): where they stop is a branch point.
+        if known_capacity is None:
+            known_capacity = 4 * sum(p.num_pages for p in manager.pools.values()) + 65536
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._known_capacity = known_capacity
+        self._saves: list[tuple[int, int]] = []  # (slot row, snapshot row)
+        self._restores: list[tuple[int, int, Hashable]] = []  # (snapshot row, slot row, request id)
+        self.stats = stats if stats is not None else PrefixStats()
+        for family in manager.layout.families:
+            self.stats.family_hit_tokens.setdefault(family, 0)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def chain(self, request: "Request", pages: int) -> list[bytes]:
+        """The request's hash chain, extended to at least ``pages`` full pages of its known tokens."""
+        pages = min(pages, request.num_tokens // self.page_size)
+        if len(request.page_hashes) < pages:
+            extend_chain(request.page_hashes, request.prompt_ids + request.output_ids, self.page_size, pages, self.root)
+        return request.page_hashes
+
+    def _is_known(self, key: bytes) -> bool:
+        return key in self._known
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > self._known_capacity:
+            self._known.popitem(last=False)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def match(self, request: "Request") -> PrefixHit:
+        """The longest cached prefix every family can resume from, leaving at least one token to compute."""
+        size = self.page_size
+        limit = (request.num_tokens - 1) // size  # boundaries 0..limit
+        chain = self.chain(request, limit)
+        valid = np.ones(limit + 1, bool)  # valid[k]: every family can resume at boundary k
+        family_best: dict[str, int] = {}
+        found: dict[str, list[int | None]] = {}
+        for family, pool in self.manager.pools.items():
+            window = self.manager.windows[family]
+            if window is None:  # full attention: pages 0..k-1, a prefix-closed condition
+                pages = []
+                for key in chain[:limit]:
+                    page = pool.lookup(key)
+                    if page is None:
+                        break
+                    pages.append(page)
+                ok = np.arange(limit + 1) <= len(pages)
+            else:  # a window: the pages a query at k * size sees, i.e. from (k*size - window + 1) // size
+                pages = [pool.lookup(key) for key in chain[:limit]]
+                run = np.zeros(limit + 1, np.int64)  # run[k]: present pages ending at page k - 1
+                for k in range(1, limit + 1):
+                    run[k] = run[k - 1] + 1 if pages[k - 1] is not None else 0
+                ks = np.arange(limit + 1)
+                ok = run >= ks - np.maximum(0, ks * size - window + 1) // size
+            found[family] = pages
+            valid &= ok
+            family_best[family] = int(np.flatnonzero(ok)[-1]) * size
+        rows: list[int | None] = [None] * (limit + 1)
+        if self.has_state:
+            ok = np.zeros(limit + 1, bool)
+            ok[0] = True
+            if self.snapshots is not None:
+                for k in range(1, limit + 1):
+                    rows[k] = self.snapshots.lookup(chain[k - 1])
+                    ok[k] = rows[k] is not None
+            valid &= ok
+            family_best["state"] = int(np.flatnonzero(ok)[-1]) * size
+        k = int(np.flatnonzero(valid)[-1])
+        first = {f: self.manager.first_visible_page(f, k * size) for f in self.manager.pools}
+        pages = {f: [int(p) for p in found[f][first[f] : k]] for f in self.manager.pools}
+        return PrefixHit(k * size, pages, first, rows[k] if k else None, family_best)
+
+    def admit(self, request: "Request", hit: PrefixHit, new_tokens: int) -> bool:
+        """Allocate a waiting request's blocks starting from ``hit``; queue its state restore. False (nothing
+        changed) when a pool is short."""
+        if not self.manager.try_allocate(request.request_id, hit.tokens, new_tokens, hit):
+            return False
+        for family, pages in hit.pages.items():
+            for page in pages:
+                self.manager.pools[family].touch(page)
+        if hit.snapshot is not None:
+            self.snapshots.touch(self.chain(request, hit.tokens // self.page_size)[hit.tokens // self.page_size - 1])
+            self._restores.append((hit.snapshot, self.manager.blocks(request.request_id).slot, request.request_id))
+            self.stats.snapshots_restored += 1
+        request.cached_pages = hit.tokens // self.page_size
+        self.stats.queries += 1
+        self.stats.query_tokens += request.num_tokens
+        self.stats.hit_tokens += hit.tokens
+        for family, tokens in hit.family_tokens.items():
+            self.stats.family_hit_tokens[family] = self.stats.family_hit_tokens.get(family, 0) + tokens
+        return True
+
+    def _known_run(self, request: "Request", start_page: int, end_page: int) -> int:
+        """The last boundary in [start_page, end_page] up to which the request's prefix is known."""
+        chain = self.chain(request, end_page)
+        k = start_page
+        while k < min(end_page, len(chain)) and chain[k] in self._known:
+            k += 1
+        return k
+
+    def chunk_end(self, request: "Request", start: int, end: int) -> int:
+        """Where a prefill chunk [start, end) should end so that snapshots land where they are useful: at the
+        branch point (the end of the known prefix) inside it, else on a page boundary unless it is the last."""
+        if not self.has_state or self.snapshots is None:
+            return end
+        size = self.page_size
+        if start % size == 0:
+            branch = self._known_run(request, start // size, end // size) * size
+            if start < branch < end:
+                return branch
+        if end < request.num_tokens and (end // size) * size > start:
+            return (end // size) * size
+        return end
+
+    def should_wait(self, request: "Request", hit: PrefixHit, running: Iterable["Request"]) -> bool:
+        """True when the request would recompute a known prefix that a running request is about to reach
+        (and snapshot): admitting it one or two steps later turns that recompute into a hit."""
+        if not self.has_state or self.snapshots is None:
+            return False
+        size = self.page_size
+        branch = self._known_run(request, hit.tokens // size, (request.num_tokens - 1) // size)
+        if branch * size <= hit.tokens:
+            return False
+        key = request.page_hashes[branch - 1]
+        for other in running:
+            if (other is not request and other.prefix_cacheable and other.num_computed < branch * size
+                    and len(other.page_hashes) >= branch and other.page_hashes[branch - 1] == key):
+                return True
+        return False
+
+    # ------------------------------------------------------------------------------------------------------------
+    def record(self, request: "Request") -> None:
+        """Publish the request's full, computed pages (and remember their prefixes as known)."""
+        if not request.prefix_cacheable or not self.manager.holds(request.request_id):
+            return
+        done = min(request.num_computed, request.num_tokens) // self.page_size
+        if done <= request.cached_pages:
+            return
+        chain = self.chain(request, done)
+        blocks = self.manager.blocks(request.request_id)
+        for j in range(request.cached_pages, done):
+            self._remember(chain[j])
+            for family, table in blocks.tables.items():
+                index = j - blocks.first_page[family]
+                if 0 <= index < len(table):
+                    self.manager.pools[family].cache(table[index], chain[j])
+        request.cached_pages = done
+
+    def chunk_done(self, request: "Request", end: int) -> None:
+        """A prefill chunk of ``request`` ended at ``end``: publish its pages; snapshot the state on a boundary."""
+        self.record(request)
+        if self.snapshots is None or not request.prefix_cacheable or end % self.page_size or end == 0:
+            return
+        key = self.chain(request, end // self.page_size)[end // self.page_size - 1]
+        row = self.snapshots.store(key)
+        if row is not None:
+            self._saves.append((self.manager.blocks(request.request_id).slot, row))
+            self.stats.snapshots_saved += 1
+
+    def release(self, request: "Request") -> None:
+        """The request is about to give its blocks back (finished, aborted, preempted): publish what it
+        computed, and drop a restore queued into its slot (the slot may go to another request this step)."""
+        self.record(request)
+        self._restores = [r for r in self._restores if r[2] != request.request_id]
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(saves, restores) as (source row, destination row) pairs, to run in that order before the next step."""
+        saves, restores = self._saves, [(src, dst) for src, dst, _ in self._restores]
+        self._saves, self._restores = [], []
+        if self.snapshots is not None:
+            self.snapshots.unpin()
+        return saves, restores
+
+    # ------------------------------------------------------------------------------------------------------------
+    def check(self, requests: Iterable["Request"]) -> None:
+        """A request holding a published page holds it at the logical index whose prefix hash names it (no
+        request reads pages computed for other tokens); the snapshot pool is consistent."""
+        if self.snapshots is not None:
+            self.snapshots.check()
+        for request in requests:
+            if not self.manager.holds(request.request_id):
+                continue
+            blocks = self.manager.blocks(request.request_id)
+            for family, table in blocks.tables.items():
+                pool = self.manager.pools[family]
+                for index, page in enumerate(table):
+                    key = pool.hash_of(page)
+                    j = blocks.first_page[family] + index
+                    if key is not None and (j >= len(request.page_hashes) or request.page_hashes[j] != key):
+                        raise PoolError(
+                            f"request {request.request_id!r} holds {family} page {page} at index {j}, but that "
+                            f"page is published for another prefix"
+                        )
