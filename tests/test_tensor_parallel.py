@@ -83,6 +83,22 @@ def test_caches_are_split_like_their_heads():
     assert all(llm.plan.pages[f] >= single.plan.pages[f] for f in single.plan.pages)
 
 
+def test_prefix_caching_with_split_caches():
+    """Snapshots are copied within each device's share of the state arrays: the same tokens as one device
+    without caching, every restore used, and every cache array keeps its sharding."""
+    from tests.engine.test_prefix_cache import ENGINE, _run, _shared_prefix_prompts
+
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(directory)
+    prompts = _shared_prefix_prompts(case)
+    plain = LLM(directory, placements=case.placements, placement="mamba", enable_prefix_caching=False, **ENGINE)
+    split = LLM(directory, tensor_parallel=2, placements=case.placements, placement="mamba", **ENGINE)
+    shardings = [a.sharding for a in jax.tree.leaves(split._cache)]
+    assert _run(split, prompts) == _run(plain, prompts)
+    assert split.stats.prefix.snapshots_restored > 0
+    assert [a.sharding for a in jax.tree.leaves(split._cache)] == shardings
+
+
 def test_in_memory_model_can_be_split_and_random_sharded_models_run():
     directory = os.path.join(GOLDENS, "supernet_swa")
     case = load_case(directory)

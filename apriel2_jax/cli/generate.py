@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
     g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
                    help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="reuse the attention pages and recurrent-state snapshots of prompts that share a prefix "
+                        "(default on; --no-prefix-caching turns it off)")
+    g.add_argument("--snapshot-memory-fraction", type=float, default=d.snapshot_memory_fraction,
+                   help="share of the cache budget for the prefix cache's recurrent-state snapshots "
+                        f"(default {d.snapshot_memory_fraction})")
     g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,
                    help="step shapes compiled before serving: 'few' (default: decode at 1 and at --max-num-seqs "
                         "rows), 'all', or 'none'; the others compile when first needed (a log line says so), "
@@ -318,6 +324,8 @@ def summary_lines(llm, outputs, wall: float, warmed_up: bool) -> list[str]:
         share = f" ({100.0 * peak / capacity:.1f}%)" if capacity else ""
         parts.append(f"{family} {peak}/{capacity} {unit}{share}")
     lines.append("cache peak: " + ("; ".join(parts) if parts else "no cache"))
+    if llm.prefix_cache is not None:
+        lines.append(f"{stats.prefix.summary()}; {stats.prefix.hit_tokens} prefill tokens saved")
     if stats.preemptions:
         lines.append(f"preemptions: {stats.preemptions}")
     return lines
@@ -462,6 +470,8 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
         decode_steps=args.decode_steps,
         page_size=args.page_size,
         cache_memory_fraction=args.cache_memory_fraction,
+        enable_prefix_caching=args.prefix_caching,
+        snapshot_memory_fraction=args.snapshot_memory_fraction,
         seed=engine_seed,
         tokenizer=tokenizer,
         warm_up=args.warm_up,

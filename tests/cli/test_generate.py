@@ -236,3 +236,24 @@ def test_several_outputs_are_printed_with_their_index(capsys):
     _print_output(sys.stdout, RequestOutput(**{**out.__dict__, "text": "hi there"}), has_tokenizer=True,
                   logprobs=False)
     assert capsys.readouterr().out == "[3] 5 6\n[3] logprobs: -0.5000 -1.2500\n[3] hi there\n"
+
+
+def test_prefix_caching_flag_and_summary():
+    """A prompt sent twice: the second run hits the first's pages and snapshots (the summary says how many
+    tokens were saved); --no-prefix-caching gives the same tokens and no prefix-cache line."""
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    infos, metadata = read_header(os.path.join(directory, "golden.safetensors"))
+    prompt = ",".join(str(int(t)) for t in read_tensor(infos["input_ids"])[0, : int(metadata["prompt_len"])])
+    runs = {}
+    for flag in ("--prefix-caching", "--no-prefix-caching"):
+        argv = [directory, "--placement", "mamba", "--max-new-tokens", "4", "--ignore-eos", "--json", *ENGINE,
+                "--max-num-seqs", "1", "--max-chunk", "8", "--prompt-ids", prompt, "--prompt-ids", prompt, flag]
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            assert main(argv) == 0, err.getvalue()
+        runs[flag] = ([r["token_ids"] for r in json.loads(out.getvalue())], err.getvalue())
+    (cached, log), (plain, plain_log) = runs["--prefix-caching"], runs["--no-prefix-caching"]
+    assert cached == plain and cached[0] == cached[1]
+    line = next(line for line in log.splitlines() if line.startswith("prefix cache:"))
+    assert "16 prefill tokens saved" in line and "state" in line
+    assert "prefix cache:" not in plain_log
