@@ -16,6 +16,10 @@ bytes; inactive sub-mixers only cost memory). Measures, side by side in one proc
   * ``--capacity``: instead, as many requests of ``--prompt-len`` tokens as the cache holds (admitted as
     prefilled) decode ``--output-len`` tokens each; reports the request count and output tokens/s (wall clock),
     and each placement's ratio to the first placement given (put all-attention first).
+  * ``--shared-prefix N``: instead, prefix caching. ``--requests`` prompts share an N-token prefix, each
+    followed by ``--suffix-len`` unique tokens, submitted together and generating one token, with the engine's
+    serving defaults; run with and without prefix caching (same compiled steps). Reports the total prefill
+    time, tokens computed, time to first token and the hit rate of each cache family, and the speed-up.
 Prints one table row per placement and batch; ``--json`` appends the rows to a JSONL file.
 """
 
@@ -81,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--capacity", action="store_true",
                     help="decode as many requests as the cache holds (see above) instead of --batch")
+    ap.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                    help="benchmark prefix caching on prompts sharing an N-token prefix (see above)")
+    ap.add_argument("--requests", type=int, default=64, help="--shared-prefix: prompts submitted together")
+    ap.add_argument("--suffix-len", type=int, default=256, help="--shared-prefix: unique tokens after the prefix")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
@@ -98,7 +106,7 @@ def main(argv=None) -> int:
     rows = []
     for tp in args.tensor_parallel:
         for name in args.placement:
-            run = run_capacity if args.capacity else run_placement
+            run = run_capacity if args.capacity else run_shared_prefix if args.shared_prefix else run_placement
             rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
     if args.capacity:
         for row in rows:
@@ -164,7 +172,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     t0 = time.monotonic()
     llm.generate(prefill_prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
     first_run = time.monotonic() - t0
-    llm.stats = type(llm.stats)()
+    llm.reset_stats()
+    prefill_prompts = [prompt() for _ in range(args.prefill_batch)]  # new tokens: no prefix-cache hits
     t0 = time.monotonic()
     llm.generate(prefill_prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
     prefill_wall = time.monotonic() - t0
@@ -185,7 +194,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         prompts = [prompt() for _ in range(batch)]  # made outside the timed region
         decode = lambda: [None for _ in llm.stream(prompts, params_d, assume_prefilled=True)]  # noqa: E731
         decode()  # warm (first run of this bucket after compilation)
-        llm.stats = type(llm.stats)()
+        llm.reset_stats()
         t0 = time.monotonic()
         decode()
         wall = time.monotonic() - t0
@@ -283,6 +292,54 @@ def run_capacity(args, raw: dict, placement, name: str, bandwidth: float, tp: in
         "preemptions": llm.stats.preemptions,
     }]
     del llm, model
+    gc.collect()
+    return rows
+
+
+def run_shared_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: int | None = None) -> list[dict]:
+    config, model, params, dtype = random_model(args, raw, placement, name, tp)
+    device = jax.devices()[0]
+    max_len = args.shared_prefix + args.suffix_len + args.page_size
+    rng = np.random.default_rng(0)
+    tokens = lambda n: [int(t) for t in rng.integers(3, config.vocab_size, size=n)]  # noqa: E731
+
+    def workload():
+        prefix = tokens(args.shared_prefix)
+        return [prefix + tokens(args.suffix_len) for _ in range(args.requests)]
+
+    one_token = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    rows, runner = [], None
+    for caching in (False, True):
+        llm = LLM(model=model, max_model_len=max_len, page_size=args.page_size, cache_memory_fraction=0.9,
+                  enable_prefix_caching=caching, step_runner=runner)
+        runner = llm.runner  # the second engine reuses the compiled steps
+        llm.generate(workload(), one_token)  # compiles the shapes this workload needs (another prefix)
+        llm.reset_stats()
+        prompts = workload()
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, one_token)
+        wall = time.monotonic() - t0
+        ttft = np.array([o.time_to_first_token for o in outputs]) * 1e3
+        stats = llm.stats
+        row = {
+            "device": device.device_kind, "date": time.strftime("%Y-%m-%d"),
+            "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name, "tp": tp or "none",
+            "prefix_caching": "on" if caching else "off", "requests": args.requests,
+            "prefix": args.shared_prefix, "suffix": args.suffix_len,
+            "prefill_s": round(wall, 3), "prefill_tokens": stats.prefill_tokens,
+            "prompt_tok_s": round(sum(len(p) for p in prompts) / wall, 1),
+            "computed_tok_s": round(stats.prefill_tokens / wall, 1),
+            "ttft_mean_ms": round(float(ttft.mean()), 1), "ttft_p50_ms": round(float(np.median(ttft)), 1),
+            "ttft_max_ms": round(float(ttft.max()), 1), "steps": stats.steps,
+            "hit_rate": round(stats.prefix.hit_rate(), 4),
+        }
+        for family in llm.layout.families:
+            row[f"hit_{family}"] = round(stats.prefix.hit_rate(family), 4) if caching else 0.0
+        row["speedup"] = round(rows[0]["prefill_s"] / wall, 2) if rows else 1.0
+        rows.append(row)
+        del llm
+        gc.collect()
+    del model
     gc.collect()
     return rows
 

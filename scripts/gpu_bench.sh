@@ -6,8 +6,8 @@
 # PART "engine05b" / "engine15b": the serving engine on random weights of the 0.5B and 15B geometries (configs from
 # $CONFIGS, default ../shared/configs; carry a copy when the device lacks it): decode steps, prefill with the
 # engine's defaults, start-up from a cold and a warm compilation cache, and the 15B capacity benchmark.
-# PART "tp_parity" / "tp_bench": tensor parallelism (see their comments below).
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench [--sweep]
+# PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below).
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench|prefix|prefix15b
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -72,8 +72,22 @@ elif [ "$part" = tp_bench ]; then
     step capacity_15b_tp 240 $gen --capacity --placement $placements --prompt-len 32768 \
       --output-len 64 --tensor-parallel $tps --json "$out/capacity_15b_tp.jsonl"
   fi
+elif [ "$part" = prefix ]; then
+  # Prefix caching on the GPU: the golden tests (outputs identical with and without it on every case and
+  # placement, float32, Pallas kernels; carry .goldens), then 64 prompts sharing a 4K prefix on the 0.5B.
+  configs=${CONFIGS:-../shared/configs}
+  step prefix_tests 240 env APRIEL2_GOLDENS="${APRIEL2_GOLDENS:-.goldens}" JAX_DEFAULT_MATMUL_PRECISION=highest \
+    python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefix_cache.py
+  step prefix_05b 330 python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --shared-prefix 4096 \
+    --suffix-len 256 --requests 64 --placement ${PLACEMENTS:-all-attention every2-kda a12-g1-k11 pure-gdn} \
+    --json "$out/prefix_05b.jsonl"
+elif [ "$part" = prefix15b ]; then
+  configs=${CONFIGS:-../shared/configs}
+  step prefix_15b 560 python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --shared-prefix 4096 \
+    --suffix-len 256 --requests 64 --placement ${PLACEMENTS:-all-attention reg-lklhd-10} \
+    --json "$out/prefix_15b.jsonl"
 else
-  echo "PART must be prefill, others, engine05b, engine15b tp_parity or tp_bench, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b, engine15b, tp_parity, tp_bench, prefix or prefix15b, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*

@@ -198,6 +198,14 @@ class LLM:
         self.placement = None
         self.set_placement(placement)
 
+    def reset_stats(self) -> None:
+        """Start the counters (steps, tokens, times, prefix-cache hits) from zero; the caches are kept."""
+        self.stats = EngineStats()
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats = self.stats.prefix
+            for family in self.layout.families:
+                self.stats.prefix.family_hit_tokens.setdefault(family, 0)
+
     # ------------------------------------------------------------------------------------------------------------
     def _budget_from_device(self, fraction: float) -> int:
         if not 0.0 < fraction <= 1.0:
@@ -246,6 +254,9 @@ class LLM:
                 self.cache_manager, prefix_root(resolved, plan.page_size), (plan.slots, plan.snapshots),
                 stats=self.stats.prefix,
             )
+            if self.layout.state is not None and not plan.snapshots:
+                self.log("prefix cache: no room for one recurrent-state snapshot, so no prefix can be reused under "
+                         "this placement; raise snapshot_memory_fraction or the cache budget")
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.prefix_cache)
         self.placement = resolved
         self.log(f"cache: {plan.summary(self.layout)}")
