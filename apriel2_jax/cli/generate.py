@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snapshot-memory-fraction", type=float, default=d.snapshot_memory_fraction,
                    help="share of the cache budget for the prefix cache's recurrent-state snapshots "
                         f"(default {d.snapshot_memory_fraction})")
+    g.add_argument("--snapshot-interval", type=int, default=None, metavar="TOKENS",
+                   help="prefill chunks of placements with recurrent layers also end at multiples of this, leaving "
+                        f"state snapshots there (a multiple of --page-size; 0: off; default {d.snapshot_interval})")
     g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,
                    help="step shapes compiled before serving: 'few' (default: decode at 1 and at --max-num-seqs "
                         "rows), 'all', or 'none'; the others compile when first needed (a log line says so), "
@@ -472,6 +475,7 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
         cache_memory_fraction=args.cache_memory_fraction,
         enable_prefix_caching=args.prefix_caching,
         snapshot_memory_fraction=args.snapshot_memory_fraction,
+        snapshot_interval=args.snapshot_interval,
         seed=engine_seed,
         tokenizer=tokenizer,
         warm_up=args.warm_up,

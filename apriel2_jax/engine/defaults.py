@@ -19,6 +19,7 @@ class EngineDefaults:
     warm_up: str = "few"
     prefix_caching: bool = True
     snapshot_memory_fraction: float = 0.1  # of the cache budget, for prefix-cache recurrent-state snapshots
+    snapshot_interval: int = 2048  # tokens: prefill chunks of recurrent placements also end at its multiples
 
 
 DEFAULTS = EngineDefaults()

@@ -17,12 +17,13 @@ A hit for a request is the longest page boundary ``k * page_size`` (leaving at l
 which every family can resume: full attention holds pages ``0 .. k - 1``; a window family holds the pages a
 query at ``k * page_size`` still sees; the state family holds a snapshot at ``k`` (``k = 0`` needs nothing).
 
-Where snapshots are taken. With recurrent layers, chunks of a prefill end on page boundaries (the last chunk
-ends at the prompt), and a chunk also ends where the request's prefix stops being *known* (computed before by
-any request, whether or not its pages are still cached): that is the branch point at which later requests
-sharing the prefix diverge, so the first request past it leaves the snapshot they need. A waiting request that
-would miss only because another running request is about to reach that point waits for it instead of
-recomputing the prefix in parallel.
+Where snapshots are taken. The kernels write a sequence's state only at the end of its chunk, so chunks are
+cut where snapshots are wanted. With recurrent layers, chunks of a prefill end on page boundaries (the last
+chunk ends at the prompt), at multiples of a snapshot interval (default 2048 tokens), and where the request's
+prefix stops being *known* (computed before by any request, whether or not its pages are still cached): that
+is the branch point at which later requests sharing the prefix diverge, so the first request past it leaves the
+snapshot they need. A waiting request that would miss only because another running request is about to reach
+that point waits for it instead of recomputing the prefix in parallel.
 
 Device work is queued here and done by the engine before the next step: saves (slot row -> snapshot row) first,
 then restores (snapshot row -> slot row); row copies inside the state arrays.
@@ -96,9 +97,17 @@ class PrefixCache:
     """Hashes, lookups and snapshot bookkeeping over a :class:`CacheManager`'s pools."""
 
     def __init__(self, manager: CacheManager, root: bytes, snapshot_rows: tuple[int, int] | None = None,
-                 known_capacity: int | None = None, stats: PrefixStats | None = None):
+                 known_capacity: int | None = None, stats: PrefixStats | None = None, snapshot_interval: int = 0):
         """``snapshot_rows``: (first row, count) of the snapshot pool in the state arrays; None or a count of 0
-        when the placement has no recurrent layer or no room for snapshots."""
+        when the placement has no recurrent layer or no room for snapshots. ``snapshot_interval``: prefill
+        chunks of recurrent placements also end at its multiples (a multiple of the page size; 0: no such
+        ends), so a prefix shared later resumes within one interval of its end even on its second use."""
+        if snapshot_interval < 0 or snapshot_interval % manager.page_size:
+            raise ValueError(
+                f"snapshot_interval must be a multiple of the page size ({manager.page_size}) or 0, got "
+                f"{snapshot_interval}"
+            )
+        self.snapshot_interval = snapshot_interval
         self.manager = manager
         self.page_size = manager.page_size
         self.root = root
@@ -206,14 +215,19 @@ class PrefixCache:
 
     def chunk_end(self, request: "Request", start: int, end: int) -> int:
         """Where a prefill chunk [start, end) should end so that snapshots land where they are useful: at the
-        branch point (the end of the known prefix) inside it, else on a page boundary unless it is the last."""
+        branch point (the end of the known prefix) or the next multiple of the snapshot interval inside it,
+        else on a page boundary unless it is the last chunk."""
         if not self.has_state or self.snapshots is None:
             return end
         size = self.page_size
+        cuts = []
         if start % size == 0:
-            branch = self._known_run(request, start // size, end // size) * size
-            if start < branch < end:
-                return branch
+            cuts.append(self._known_run(request, start // size, end // size) * size)
+        if self.snapshot_interval:
+            cuts.append((start // self.snapshot_interval + 1) * self.snapshot_interval)
+        cuts = [cut for cut in cuts if start < cut < end]
+        if cuts:
+            return min(cuts)
         if end < request.num_tokens and (end // size) * size > start:
             return (end // size) * size
         return end

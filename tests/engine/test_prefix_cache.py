@@ -119,6 +119,20 @@ def test_requests_waiting_on_a_branch_point_another_request_is_about_to_snapshot
     assert llm.stats.prefix.hit_tokens == 16 + 3 * 20
 
 
+def test_snapshot_interval_ends_chunks_at_its_multiples(hybrid):
+    """Chunks of 16 with an interval of 8: the first prompt leaves snapshots at 8 and 16, so a prompt sharing
+    its first 13 tokens resumes at 8 although it is the first to diverge there (a branch point at 12)."""
+    llm = _hybrid_engine(hybrid, max_chunk=16, max_num_batched_tokens=16, snapshot_interval=8,
+                         buckets=Buckets((4,), (4,), (1, 4, 8, 16)))
+    first = list(range(3, 23))
+    llm.generate([first], GREEDY)
+    assert llm.stats.prefix.snapshots_saved == 3  # at 8, 16 and 20 (the last chunk's end is a page boundary)
+    llm.generate([first[:13] + [60, 61, 62]], GREEDY)
+    assert llm.stats.prefix.hit_tokens == 8
+    with pytest.raises(Exception, match="snapshot_interval must be 0 or a multiple of page_size=4"):
+        _hybrid_engine(hybrid, snapshot_interval=6)
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_preemption_and_abort_with_prefix_caching(hybrid, decode_steps):
     """A pool too small for four requests at once: preempted requests come back through the prefix cache (their
