@@ -1,0 +1,81 @@
+"""Device <-> host copies of prefix entries: attention pages of every family and recurrent-state rows, gathered
+into host numpy arrays (one jitted gather per call, one transfer) and scattered back into other page ids and
+rows. Array names are ``"{family}/{layer}/{k|v}"`` for pages and ``"state/{layer}/{name}"`` for state rows, so an
+entry read under one page or slot id can be written under any other of the same placement."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from ..cache_layout import CacheLayout
+
+
+def _page_leaves(layout: CacheLayout):
+    return [(fam.key, layer, name) for fam in layout.attention for layer in fam.layers for name in ("k", "v")]
+
+
+def _pad(ids: np.ndarray) -> np.ndarray:
+    """Ids padded to a power of two with the sink (0), so few shapes compile."""
+    size = 1 << max(0, len(ids) - 1).bit_length()
+    out = np.zeros(size, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("layers",))
+def _gather(cache, ids, *, layers):
+    return {f"{tag}/{layer}/{name}": cache[layer][name][ids[tag]] for tag, layer, name in layers}
+
+
+@functools.partial(jax.jit, static_argnames=("layers",), donate_argnums=(0,))
+def _scatter(cache, ids, values, *, layers):
+    cache = list(cache)
+    for tag, layer, name in layers:
+        entry = dict(cache[layer])
+        entry[name] = entry[name].at[ids[tag]].set(values[f"{tag}/{layer}/{name}"].astype(entry[name].dtype))
+        cache[layer] = entry
+    return tuple(cache)
+
+
+def _layers(cache, layout: CacheLayout, families, with_state: bool) -> tuple:
+    layers = [leaf for leaf in _page_leaves(layout) if leaf[0] in families]
+    if with_state and layout.state is not None:
+        layers += [("state", layer, name) for layer in layout.state.layers for name in sorted(cache[layer])]
+    return tuple(layers)
+
+
+def read_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
+    """Host copies of ``pages[family]`` (page ids) of every layer of each family and of ``state_rows`` of every
+    recurrent layer: ``{name: array [n, ...]}`` with ``n`` the number of ids asked for that family/state."""
+    ids = {family: _pad(np.asarray(p, np.int32)) for family, p in pages.items()}
+    with_state = state_rows is not None
+    if with_state:
+        ids["state"] = _pad(np.asarray(state_rows, np.int32))
+    layers = _layers(cache, layout, set(pages), with_state)
+    out = jax.device_get(_gather(cache, ids, layers=layers))
+    counts = {family: len(p) for family, p in pages.items()}
+    if with_state:
+        counts["state"] = len(state_rows)
+    return {name: np.asarray(a)[: counts[name.split("/")[0]]] for name, a in out.items()}
+
+
+def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values: dict[str, np.ndarray],
+               state_rows: np.ndarray | None = None):
+    """Write ``values`` (as returned by :func:`read_rows`, rows in the same order) into ``pages[family]`` and
+    ``state_rows``; returns the updated cache (the old one is donated)."""
+    with_state = state_rows is not None
+    layers = _layers(cache, layout, set(pages), with_state)
+    ids, padded = {}, {}
+    for family, p in list(pages.items()) + ([("state", state_rows)] if with_state else []):
+        ids[family] = _pad(np.asarray(p, np.int32))
+    for tag, layer, name in layers:
+        key = f"{tag}/{layer}/{name}"
+        rows = values[key]
+        full = np.zeros((len(ids[tag]),) + rows.shape[1:], rows.dtype)
+        full[: len(rows)] = rows
+        # Padding rows rewrite the sink with zeros: it is never read unmasked.
+        padded[key] = full
+    return _scatter(cache, ids, padded, layers=layers)
