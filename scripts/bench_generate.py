@@ -89,6 +89,7 @@ def main(argv=None) -> int:
                     help="benchmark prefix caching on prompts sharing an N-token prefix (see above)")
     ap.add_argument("--requests", type=int, default=64, help="--shared-prefix: prompts submitted together")
     ap.add_argument("--suffix-len", type=int, default=256, help="--shared-prefix: unique tokens after the prefix")
+    ap.add_argument("--snapshot-interval", type=int, default=0, help="--shared-prefix: the engine's snapshot_interval")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
@@ -311,7 +312,7 @@ def run_shared_prefix(args, raw: dict, placement, name: str, bandwidth: float, t
     rows, runner = [], None
     for caching in (False, True):
         llm = LLM(model=model, max_model_len=max_len, page_size=args.page_size, cache_memory_fraction=0.9,
-                  enable_prefix_caching=caching, step_runner=runner)
+                  enable_prefix_caching=caching, snapshot_interval=args.snapshot_interval, step_runner=runner)
         runner = llm.runner  # the second engine reuses the compiled steps
         llm.generate(workload(), one_token)  # compiles the shapes this workload needs (another prefix)
         llm.reset_stats()

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snapshot-memory-fraction", type=float, default=d.snapshot_memory_fraction,
                    help="share of the cache budget for the prefix cache's recurrent-state snapshots "
                         f"(default {d.snapshot_memory_fraction})")
-    g.add_argument("--snapshot-interval", type=int, default=None, metavar="TOKENS",
+    g.add_argument("--snapshot-interval", type=int, default=d.snapshot_interval, metavar="TOKENS",
                    help="prefill chunks of placements with recurrent layers also end at multiples of this, leaving "
                         f"state snapshots there (a multiple of --page-size; 0: off; default {d.snapshot_interval})")
     g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,

@@ -19,7 +19,10 @@ class EngineDefaults:
     warm_up: str = "few"
     prefix_caching: bool = True
     snapshot_memory_fraction: float = 0.1  # of the cache budget, for prefix-cache recurrent-state snapshots
-    snapshot_interval: int = 2048  # tokens: prefill chunks of recurrent placements also end at its multiples
+    # Tokens: prefill chunks of recurrent placements also end at its multiples (0: off). Off by default: with
+    # smaller chunks more requests share a prefill step, so requests that share a not-yet-computed prefix
+    # compute it side by side (measured on H200: 88% instead of 91% of a 64 x 4K shared prefix reused).
+    snapshot_interval: int = 0
 
 
 DEFAULTS = EngineDefaults()

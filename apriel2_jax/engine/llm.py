@@ -103,7 +103,7 @@ class LLM:
         num_state_slots: int | None = None,
         enable_prefix_caching: bool = DEFAULTS.prefix_caching,
         snapshot_memory_fraction: float = DEFAULTS.snapshot_memory_fraction,
-        snapshot_interval: int | None = None,
+        snapshot_interval: int = DEFAULTS.snapshot_interval,
         seed: int = 0,
         tokenizer=None,
         debug_checks: bool = False,
@@ -125,8 +125,8 @@ class LLM:
         ``enable_prefix_caching``: keep computed attention pages and recurrent-state snapshots for requests that
         share a prefix (``engine/prefix_cache.py``); snapshots take up to ``snapshot_memory_fraction`` of the
         cache budget, and prefill chunks of recurrent placements also end at multiples of ``snapshot_interval``
-        tokens (a multiple of ``page_size``; 0: only at page-aligned chunk ends and branch points; None: the
-        default, 2048 rounded down to a multiple of ``page_size``)."""
+        tokens (a multiple of ``page_size``; 0, the default: only at page-aligned chunk ends and branch
+        points)."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -177,8 +177,6 @@ class LLM:
             )
         if not 0.0 <= snapshot_memory_fraction < 1.0:
             raise CacheConfigError(f"snapshot_memory_fraction must be in [0, 1), got {snapshot_memory_fraction!r}")
-        if snapshot_interval is None:
-            snapshot_interval = max(page_size, DEFAULTS.snapshot_interval // page_size * page_size)
         if not isinstance(snapshot_interval, int) or snapshot_interval < 0 or snapshot_interval % page_size:
             raise CacheConfigError(
                 f"snapshot_interval must be 0 or a multiple of page_size={page_size}, got {snapshot_interval!r}"

@@ -19,7 +19,7 @@ query at ``k * page_size`` still sees; the state family holds a snapshot at ``k`
 
 Where snapshots are taken. The kernels write a sequence's state only at the end of its chunk, so chunks are
 cut where snapshots are wanted. With recurrent layers, chunks of a prefill end on page boundaries (the last
-chunk ends at the prompt), at multiples of a snapshot interval (default 2048 tokens), and where the request's
+chunk ends at the prompt), at multiples of a snapshot interval if one is set, and where the request's
 prefix stops being *known* (computed before by any request, whether or not its pages are still cached): that
 is the branch point at which later requests sharing the prefix diverge, so the first request past it leaves the
 snapshot they need. A waiting request that would miss only because another running request is about to reach
