@@ -177,10 +177,6 @@ class LLM:
             )
         if not 0.0 <= snapshot_memory_fraction < 1.0:
             raise CacheConfigError(f"snapshot_memory_fraction must be in [0, 1), got {snapshot_memory_fraction!r}")
-        if not isinstance(snapshot_interval, int) or snapshot_interval < 0 or snapshot_interval % page_size:
-            raise CacheConfigError(
-                f"snapshot_interval must be 0 or a multiple of page_size={page_size}, got {snapshot_interval!r}"
-            )
         self.snapshot_interval = snapshot_interval
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.snapshot_memory_fraction = snapshot_memory_fraction
@@ -210,9 +206,7 @@ class LLM:
         """Start the counters (steps, tokens, times, prefix-cache hits) from zero; the caches are kept."""
         self.stats = EngineStats()
         if self.prefix_cache is not None:
-            self.prefix_cache.stats = self.stats.prefix
-            for family in self.layout.families:
-                self.stats.prefix.family_hit_tokens.setdefault(family, 0)
+            self.prefix_cache.attach_stats(self.stats.prefix)
 
     # ------------------------------------------------------------------------------------------------------------
     def _budget_from_device(self, fraction: float) -> int:

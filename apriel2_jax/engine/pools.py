@@ -130,11 +130,6 @@ class PagePool(_IdPool):
     def is_evictable(self, page: int) -> bool:
         return page in self._evictable
 
-    def touch(self, page: int) -> None:
-        """A cached, unreferenced page was just hit: evict it last."""
-        if page in self._evictable:
-            self._evictable.move_to_end(page)
-
     def refcount(self, page: int) -> int:
         return self._refs[page]
 

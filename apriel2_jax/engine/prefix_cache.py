@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .cache_layout import SINK
+from .cache_layout import SINK, CacheConfigError
 from .cache_manager import CacheManager
 from .pools import PoolError, SnapshotPool
 
@@ -102,10 +102,9 @@ class PrefixCache:
         when the placement has no recurrent layer or no room for snapshots. ``snapshot_interval``: prefill
         chunks of recurrent placements also end at its multiples (a multiple of the page size; 0: no such
         ends), so a prefix shared later resumes within one interval of its end even on its second use."""
-        if snapshot_interval < 0 or snapshot_interval % manager.page_size:
-            raise ValueError(
-                f"snapshot_interval must be a multiple of the page size ({manager.page_size}) or 0, got "
-                f"{snapshot_interval}"
+        if not isinstance(snapshot_interval, int) or snapshot_interval < 0 or snapshot_interval % manager.page_size:
+            raise CacheConfigError(
+                f"snapshot_interval must be 0 or a multiple of page_size={manager.page_size}, got {snapshot_interval!r}"
             )
         self.snapshot_interval = snapshot_interval
         self.manager = manager
@@ -120,9 +119,13 @@ class PrefixCache:
         self._known_capacity = known_capacity
         self._saves: list[tuple[int, int]] = []  # (slot row, snapshot row)
         self._restores: list[tuple[int, int, Hashable]] = []  # (snapshot row, slot row, request id)
-        self.stats = stats if stats is not None else PrefixStats()
-        for family in manager.layout.families:
-            self.stats.family_hit_tokens.setdefault(family, 0)
+        self.attach_stats(stats if stats is not None else PrefixStats())
+
+    def attach_stats(self, stats: PrefixStats) -> None:
+        """Count hits into ``stats`` from now on (every family listed, hit or not)."""
+        self.stats = stats
+        for family in self.manager.layout.families:
+            stats.family_hit_tokens.setdefault(family, 0)
 
     # ------------------------------------------------------------------------------------------------------------
     def chain(self, request: "Request", pages: int) -> list[bytes]:
@@ -131,9 +134,6 @@ class PrefixCache:
         if len(request.page_hashes) < pages:
             extend_chain(request.page_hashes, request.prompt_ids + request.output_ids, self.page_size, pages, self.root)
         return request.page_hashes
-
-    def _is_known(self, key: bytes) -> bool:
-        return key in self._known
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -190,9 +190,6 @@ class PrefixCache:
         changed) when a pool is short."""
         if not self.manager.try_allocate(request.request_id, hit.tokens, new_tokens, hit):
             return False
-        for family, pages in hit.pages.items():
-            for page in pages:
-                self.manager.pools[family].touch(page)
         if hit.snapshot is not None:
             self.snapshots.touch(self.chain(request, hit.tokens // self.page_size)[hit.tokens // self.page_size - 1])
             self._restores.append((hit.snapshot, self.manager.blocks(request.request_id).slot, request.request_id))

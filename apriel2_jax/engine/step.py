@@ -240,6 +240,14 @@ def unpack_outputs(packed) -> StepOutputs:
     return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[-1])
 
 
+def pad_to_power_of_two(ids) -> np.ndarray:
+    """int32 ids padded with the sink (0) to a power-of-two length, so few shapes compile."""
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    out = np.zeros(1 << max(0, len(ids) - 1).bit_length(), np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("layers",), donate_argnums=(0,))
 def _copy_rows(cache, source, destination, *, layers):
     # Rows are the leading axis of every state array; a tensor-parallel split is on a later (head) axis, so
@@ -365,10 +373,8 @@ class StepRunner:
         of two with sink-to-sink copies, so few shapes compile."""
         if not pairs:
             return cache
-        size = 1 << (len(pairs) - 1).bit_length()
-        rows = np.zeros((2, size), np.int32)
-        rows[:, : len(pairs)] = np.asarray(pairs, np.int32).T
-        return _copy_rows(cache, rows[0], rows[1], layers=tuple(layers))
+        source, destination = zip(*pairs)
+        return _copy_rows(cache, pad_to_power_of_two(source), pad_to_power_of_two(destination), layers=tuple(layers))
 
     def _specs_of(self, cache, cache_tree) -> tuple | None:
         if self.sharded is None:

@@ -203,7 +203,8 @@ def test_cached_pages_are_evicted_least_recently_used_and_only_when_unreferenced
     assert fresh[0] not in pages and pool.num_cached == 3
     pool.retain([pool.lookup(b"a")])  # a hit revives "a"
     assert pool.refcount(pool.lookup(b"a")) == 1
-    pool.touch(pool.lookup(b"b"))  # b was hit more recently than c
+    pool.retain([pool.lookup(b"b")])  # b is hit (and released) more recently than c
+    pool.release([pool.lookup(b"b")])
     evicted = pool.allocate(1)
     assert evicted == [pages[2]] and pool.lookup(b"c") is None and pool.evictions == 1
     with pytest.raises(PoolError, match="page pool"):

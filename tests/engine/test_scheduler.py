@@ -129,7 +129,7 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
     return steps_run
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=32, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     page_size=st.sampled_from([1, 4, 16]),
@@ -142,20 +142,50 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
     abort_rate=st.floats(0.0, 0.1),
     decode_steps=st.integers(1, 5),
     padded=st.booleans(),
+    snapshots=st.one_of(st.none(), st.integers(0, 6)),
 )
 def test_random_traffic_keeps_every_invariant(
     seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate,
-    decode_steps, padded,
+    decode_steps, padded, snapshots,
 ):
+    """Prompts share prefixes half of the time; ``snapshots`` None runs without prefix caching, else with a
+    snapshot pool that small. After every step: refcounts equal table references and published pages are held
+    only at their own prefix's index; after draining, nothing is referenced anywhere."""
     chunk = max(1, int(budget * chunk_fraction))
     scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages, decode_steps,
-                        _padded if padded else None)
-    steps = _simulate(scheduler, random.Random(seed), 500, arrival_rate, abort_rate)
+                        _padded if padded else None, snapshots=snapshots)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(MAX_LEN // 2)] for _ in range(3)]
+    steps = _simulate(scheduler, rng, 500, arrival_rate, abort_rate, prefixes)
     assert steps >= 500
     # Everything finished or aborted: nothing in use anywhere.
     usage = scheduler.cache.usage()
     assert all(used == 0 for used, _ in usage.values()), usage
     scheduler.check_invariants()
+    if scheduler.prefix is not None:
+        stats = scheduler.prefix.stats
+        assert 0 <= stats.hit_tokens <= stats.query_tokens
+
+
+def _run_to_completion(scheduler, max_new_tokens: int, steps: int = 10**6) -> list:
+    """Schedule and complete steps, each sampled row getting token 1, until no work is left (or ``steps``);
+    checks the invariants after every step. Returns the requests preempted, in order."""
+    preempted = []
+    for _ in range(steps):
+        step = scheduler.schedule()
+        if step is None:
+            break
+        preempted += [r.request_id for r in step.preempted]
+        if scheduler.prefix is not None:
+            scheduler.prefix.take_copies()
+        scheduler.complete(step)
+        for row in step.rows:
+            if row.samples:
+                row.request.output_ids.append(1)
+                if len(row.request.output_ids) >= max_new_tokens:
+                    scheduler.finish(row.request, "length")
+        scheduler.check_invariants()
+    return preempted
 
 
 def test_preemption_is_newest_first_and_resumes_by_recompute():
@@ -165,19 +195,7 @@ def test_preemption_is_newest_first_and_resumes_by_recompute():
     b = Request("b", list(range(40)), SamplingParams(max_new_tokens=50))
     scheduler.add(a)
     scheduler.add(b)
-    preempted = []
-    for _ in range(200):
-        step = scheduler.schedule()
-        if step is None:
-            break
-        preempted += [r.request_id for r in step.preempted]
-        scheduler.complete(step)
-        for row in step.rows:
-            if row.samples:
-                row.request.output_ids.append(1)
-                if len(row.request.output_ids) >= 50:
-                    scheduler.finish(row.request, "length")
-        scheduler.check_invariants()
+    preempted = _run_to_completion(scheduler, max_new_tokens=50, steps=200)
     assert preempted and preempted[0] == "b"  # the newest goes first
     assert a.finish_reason == b.finish_reason == "length"
     assert b.num_preemptions >= 1 and len(b.output_ids) == 50
@@ -197,39 +215,6 @@ def test_abort_releases_everything():
     scheduler.check_invariants()
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    page_size=st.sampled_from([1, 4, 16]),
-    max_num_seqs=st.integers(1, 6),
-    budget=st.integers(4, 64),
-    chunk_fraction=st.floats(0.1, 1.0),
-    window=st.integers(1, 40),
-    extra_pages=st.integers(0, 12),
-    arrival_rate=st.floats(0.1, 0.9),
-    abort_rate=st.floats(0.0, 0.1),
-    decode_steps=st.integers(1, 5),
-    snapshots=st.integers(0, 6),
-)
-def test_random_traffic_with_shared_prefixes_and_prefix_caching_keeps_every_invariant(
-    seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate,
-    decode_steps, snapshots,
-):
-    """Shared prefixes, tight pools and a small snapshot pool: refcounts equal table references and published
-    pages are held only at their own prefix's index after every step; nothing is referenced after draining."""
-    chunk = max(1, int(budget * chunk_fraction))
-    scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages, decode_steps, _padded,
-                        snapshots=snapshots)
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(50) for _ in range(MAX_LEN // 2)] for _ in range(3)]
-    _simulate(scheduler, rng, 500, arrival_rate, abort_rate, prefixes)
-    usage = scheduler.cache.usage()
-    assert all(used == 0 for used, _ in usage.values()), usage
-    scheduler.check_invariants()
-    stats = scheduler.prefix.stats
-    assert 0 <= stats.hit_tokens <= stats.query_tokens
-
-
 def test_cached_pages_are_evicted_under_pressure_and_hits_still_resume_correctly():
     """Distinct prompts through a tight pool evict cached pages and snapshots; the last three share a prefix
     and hit each other (the second at the first's chunk end 16, the third at the branch point 20)."""
@@ -239,18 +224,8 @@ def test_cached_pages_are_evicted_under_pressure_and_hits_still_resume_correctly
     shared = [rng.randrange(50) for _ in range(20)]
     for i in range(12):
         tokens = shared + [i] * 5 if i >= 9 else [rng.randrange(50) for _ in range(30)]
-        request = Request(i, tokens, SamplingParams(max_new_tokens=3))
-        scheduler.add(request)
-        while scheduler.has_work:
-            step = scheduler.schedule()
-            scheduler.prefix.take_copies()
-            scheduler.complete(step)
-            for row in step.rows:
-                if row.samples:
-                    row.request.output_ids.append(1)
-                    if len(row.request.output_ids) >= 3:
-                        scheduler.finish(row.request, "length")
-            scheduler.check_invariants()
+        scheduler.add(Request(i, tokens, SamplingParams(max_new_tokens=3)))
+        _run_to_completion(scheduler, max_new_tokens=3)
     assert scheduler.cache.pools["full"].evictions > 0 and scheduler.prefix.snapshots.evictions > 0
     assert scheduler.prefix.stats.hit_tokens == 16 + 20
     assert all(used == 0 for used, _ in scheduler.cache.usage().values())

@@ -11,18 +11,11 @@ import jax
 import numpy as np
 
 from ..cache_layout import CacheLayout
+from ..step import pad_to_power_of_two
 
 
 def _page_leaves(layout: CacheLayout):
     return [(fam.key, layer, name) for fam in layout.attention for layer in fam.layers for name in ("k", "v")]
-
-
-def _pad(ids: np.ndarray) -> np.ndarray:
-    """Ids padded to a power of two with the sink (0), so few shapes compile."""
-    size = 1 << max(0, len(ids) - 1).bit_length()
-    out = np.zeros(size, np.int32)
-    out[: len(ids)] = ids
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("layers",))
@@ -50,10 +43,10 @@ def _layers(cache, layout: CacheLayout, families, with_state: bool) -> tuple:
 def read_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
     """Host copies of ``pages[family]`` (page ids) of every layer of each family and of ``state_rows`` of every
     recurrent layer: ``{name: array [n, ...]}`` with ``n`` the number of ids asked for that family/state."""
-    ids = {family: _pad(np.asarray(p, np.int32)) for family, p in pages.items()}
+    ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
     with_state = state_rows is not None
     if with_state:
-        ids["state"] = _pad(np.asarray(state_rows, np.int32))
+        ids["state"] = pad_to_power_of_two(state_rows)
     layers = _layers(cache, layout, set(pages), with_state)
     out = jax.device_get(_gather(cache, ids, layers=layers))
     counts = {family: len(p) for family, p in pages.items()}
@@ -70,7 +63,7 @@ def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values:
     layers = _layers(cache, layout, set(pages), with_state)
     ids, padded = {}, {}
     for family, p in list(pages.items()) + ([("state", state_rows)] if with_state else []):
-        ids[family] = _pad(np.asarray(p, np.int32))
+        ids[family] = pad_to_power_of_two(p)
     for tag, layer, name in layers:
         key = f"{tag}/{layer}/{name}"
         rows = values[key]
