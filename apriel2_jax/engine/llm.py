@@ -299,6 +299,23 @@ class LLM:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
+    def _new_request(self, prompt, params: SamplingParams | None, index: int = 0) -> Request:
+        """A request with a fresh id (unique over the engine's life) for ``prompt`` (text or token ids)."""
+        ids = self._encode(prompt)
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens; the model context (max_model_len) is "
+                f"{self.max_model_len}, which must leave room for at least one generated token"
+            )
+        params = params if params is not None else SamplingParams()
+        request = Request(self._request_counter, ids, params)
+        request.seed = request_seed(params, self._request_counter, self.seed)
+        request.checker = StopChecker(params, self.config.eos_token_ids)
+        self._request_counter += 1
+        return request
+
     def _make_requests(self, prompts, params) -> list[Request]:
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -307,22 +324,7 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = []
-        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
-            ids = self._encode(prompt)
-            if not ids:
-                raise ValueError(f"prompt {index} is empty")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens; the model context (max_model_len) is "
-                    f"{self.max_model_len}, which must leave room for at least one generated token"
-                )
-            request = Request(index, ids, p)
-            request.seed = request_seed(p, self._request_counter, self.seed)
-            request.checker = StopChecker(p, self.config.eos_token_ids)
-            self._request_counter += 1
-            requests.append(request)
-        return requests
+        return [self._new_request(prompt, p, index) for index, (prompt, p) in enumerate(zip(prompts, params_list))]
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         outputs: dict[int, RequestOutput] = {}
@@ -333,10 +335,15 @@ class LLM:
 
     def stream(self, prompts, params=None, *, assume_prefilled: bool = False) -> Iterator[StreamEvent]:
         """Yield each request's new tokens (and text) as they are produced, then a final event per request.
+        Events (and outputs) carry the prompt's index in ``prompts``. Requests still unfinished when the caller
+        stops iterating are aborted.
 
         ``assume_prefilled`` is for benchmarks only: the prompts are admitted as already cached (pages and
         slots allocated, contents not computed) and decoding starts at once; outputs are meaningless."""
+        if self.has_unfinished_requests:
+            raise RuntimeError("stream/generate need an idle engine; requests added with add_request are running")
         requests = self._make_requests(prompts, params)
+        index = {request.request_id: i for i, request in enumerate(requests)}
         start = time.monotonic()
         for request in requests:
             request.timings["start"] = start
@@ -346,13 +353,37 @@ class LLM:
                 self.scheduler.add(request)
         try:
             while self.scheduler.has_work:
-                yield from self._step()
+                for event in self._step():
+                    event.index = index[event.index]
+                    if event.output is not None:
+                        event.output.index = event.index
+                    yield event
         finally:
-            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            for request in requests:
                 self.scheduler.abort(request.request_id)
 
-    def abort(self, index: int) -> bool:
-        return self.scheduler.abort(index) is not None
+    # Incremental API (a server's engine loop): add requests at any time, run one step at a time.
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue one request (text or token ids); returns its id, which its events and output carry. Raises
+        ``ValueError`` for a prompt the engine cannot take (empty, too long, ids outside the vocabulary)."""
+        request = self._new_request(prompt, params)
+        request.timings["start"] = time.monotonic()
+        self.scheduler.add(request)
+        return request.request_id
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StreamEvent]:
+        """Run one engine step (nothing when idle); the events of the tokens it produced."""
+        if not self.scheduler.has_work:
+            return []
+        return list(self._step())
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a queued or running request and free its pages and slot; False when it is not in flight."""
+        return self.scheduler.abort(request_id) is not None
 
     # ------------------------------------------------------------------------------------------------------------
     def _step(self) -> Iterator[StreamEvent]:

@@ -218,3 +218,31 @@ def test_default_buckets_never_pad_a_prefill_step_past_the_token_budget():
     assert buckets.pick("prefill", 1, 5000) == (1, 8192)
     with pytest.raises(ValueError, match="no bucket"):
         buckets.pick("prefill", 2, 5000)  # the scheduler never builds it: two rows padded to 8192 each
+
+
+def test_incremental_api_matches_generate_and_aborts_free_everything():
+    """add_request/step/abort (a server's engine loop): requests added between steps produce what generate gives
+    them; an aborted request emits no final event and leaves nothing referenced."""
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(directory)
+    llm = LLM(directory, placements=case.placements, placement="mamba", dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=16, page_size=4, cache_bytes=4 * 2**20, warm_up=False, debug_checks=True,
+              log=lambda msg: None)
+    prompts = [[int(t) for t in case.input_ids[i, : case.prompt_len]] for i in range(2)] + [[5, 6, 7]]
+    params = SamplingParams.greedy(max_new_tokens=5, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    first = llm.add_request(prompts[0], params)
+    events = llm.step()
+    second = llm.add_request(prompts[1], params)
+    doomed = llm.add_request(prompts[2], params)
+    assert len({first, second, doomed}) == 3
+    events += llm.step()
+    assert llm.abort(doomed) and not llm.abort(doomed)
+    while llm.has_unfinished_requests:
+        events += llm.step()
+    outputs = {e.index: e.output for e in events if e.finished}
+    assert set(outputs) == {first, second}
+    assert [outputs[first].token_ids, outputs[second].token_ids] == expected[:2]
+    assert all(used == 0 for used, _ in llm.cache_manager.usage().values())
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([], params)

@@ -152,11 +152,11 @@ def test_preemption_and_abort_with_prefix_caching(hybrid, decode_steps):
     assert [o.token_ids for o in tight.generate(prompts, params)] == expected
     assert tight.stats.preemptions > 0
     # Abort one request after its first chunk: its pages are released (kept cached), nothing stays referenced.
-    stream = tight.stream(prompts, params)
-    next(iter(stream), None)
-    assert tight.abort(1)
-    for _ in stream:
-        pass
+    ids = [tight.add_request(p, params) for p in prompts]
+    tight.step()
+    assert tight.abort(ids[1])
+    while tight.has_unfinished_requests:
+        tight.step()
     assert all(used == 0 for used, _ in tight.cache_manager.usage().values())
     tight.scheduler.check_invariants()
 
