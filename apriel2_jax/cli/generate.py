@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from ..engine.defaults import DEFAULTS, WARM_UP_CHOICES
+from .engine_args import add_engine_arguments, add_model_arguments, engine_kwargs, parse_placement
 
 PROG = "apriel2-generate"
 
@@ -87,13 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each text prompt as one user message with the tokenizer's chat template "
                         "(default: when the tokenizer has one)")
 
-    g = parser.add_argument_group("model")
-    g.add_argument("--placement", default=None, metavar="NAME",
-                   help="a placement name from the checkpoint's placements.json, or a comma-separated mixer name per "
-                        "layer ('-' for fixed layers); default: every layer's main mixer")
-    g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="weights/compute dtype (default bfloat16)")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="split the model over N devices (heads, MLP channels and vocabulary; default 1)")
+    add_model_arguments(parser)
 
     g = parser.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -110,39 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not stop at the model's (or the tokenizer's) end-of-sequence token")
     g.add_argument("--logprobs", action="store_true", help="report the log-probability of each generated token")
 
-    g = parser.add_argument_group("engine")
-    d = DEFAULTS
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help=f"sequences decoded together (default {d.max_num_seqs})")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length: prompt + generated tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help=f"token budget of a prefill step, padding included (default {d.max_num_batched_tokens})")
-    g.add_argument("--max-chunk", type=int, default=None,
-                   help="longest prefill chunk of one sequence (default: --max-num-batched-tokens)")
-    g.add_argument("--max-prefill-rows", type=int, default=None,
-                   help="sequences prefilled in one step (default: --max-num-seqs)")
-    g.add_argument("--decode-steps", type=int, default=d.decode_steps,
-                   help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps})")
-    g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
-    g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
-                   help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
-                   help="reuse the attention pages and recurrent-state snapshots of prompts that share a prefix "
-                        "(default on; --no-prefix-caching turns it off)")
-    g.add_argument("--snapshot-memory-fraction", type=float, default=d.snapshot_memory_fraction,
-                   help="share of the cache budget for the prefix cache's recurrent-state snapshots "
-                        f"(default {d.snapshot_memory_fraction})")
-    g.add_argument("--snapshot-interval", type=int, default=d.snapshot_interval, metavar="TOKENS",
-                   help="prefill chunks of placements with recurrent layers also end at multiples of this, leaving "
-                        f"state snapshots there (a multiple of --page-size; 0: off; default {d.snapshot_interval})")
-    g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,
-                   help="step shapes compiled before serving: 'few' (default: decode at 1 and at --max-num-seqs "
-                        "rows), 'all', or 'none'; the others compile when first needed (a log line says so), "
-                        "and that time then counts in the reported timings")
-    g.add_argument("--compilation-cache", default=None, metavar="DIR",
-                   help="persistent compilation cache directory (default: $APRIEL2_JAX_CACHE_DIR, else "
-                        "~/.cache/apriel2-jax/xla); 'off' disables it")
+    add_engine_arguments(parser)
 
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true",
@@ -220,13 +182,6 @@ def encode_prompts(prompts, tokenizer, use_chat_template: bool) -> list[list[int
         else:
             encoded.append(tokenizer.encode(value))
     return encoded
-
-
-def parse_placement(value: str | None, named: dict):
-    """A placements.json name, or a comma-separated list with one mixer name per layer ('-'/'none' for fixed)."""
-    if value is None or value in named or "," not in value:
-        return value
-    return [None if name.strip().lower() in ("", "-", "none") else name.strip() for name in value.split(",")]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -329,6 +284,8 @@ def summary_lines(llm, outputs, wall: float, warmed_up: bool) -> list[str]:
     lines.append("cache peak: " + ("; ".join(parts) if parts else "no cache"))
     if llm.prefix_cache is not None:
         lines.append(f"{stats.prefix.summary()}; {stats.prefix.hit_tokens} prefill tokens saved")
+    if stats.connector is not None:
+        lines.append(stats.connector.summary())
     if stats.preemptions:
         lines.append(f"preemptions: {stats.preemptions}")
     return lines
@@ -459,28 +416,8 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
     from ..engine.llm import LLM
 
     stdout = sys.stdout
-    llm = LLM(
-        directory,
-        dtype=args.dtype,
-        tensor_parallel=args.tensor_parallel,
-        placement=placement,
-        placements=named or None,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_chunk=args.max_chunk,
-        max_prefill_rows=args.max_prefill_rows,
-        decode_steps=args.decode_steps,
-        page_size=args.page_size,
-        cache_memory_fraction=args.cache_memory_fraction,
-        enable_prefix_caching=args.prefix_caching,
-        snapshot_memory_fraction=args.snapshot_memory_fraction,
-        snapshot_interval=args.snapshot_interval,
-        seed=engine_seed,
-        tokenizer=tokenizer,
-        warm_up=args.warm_up,
-        compilation_cache=args.compilation_cache,
-    )
+    llm = LLM(directory, placement=placement, placements=named or None, seed=engine_seed, tokenizer=tokenizer,
+              **engine_kwargs(args))
 
     outputs = []
     single = len(prompt_ids) == 1 and not args.json
@@ -498,6 +435,8 @@ def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_
             elif not args.json:
                 _print_output(stdout, event.output, tokenizer is not None, args.logprobs)
     wall = time.monotonic() - start
+    if llm.kv_connector is not None:  # saves run on a worker: they must be in the store before we exit
+        llm.kv_connector.flush()
     return outputs, wall, llm
 
 

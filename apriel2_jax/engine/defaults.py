@@ -23,6 +23,7 @@ class EngineDefaults:
     # smaller chunks more requests share a prefill step, so requests that share a not-yet-computed prefix
     # compute it side by side (measured on H200: 88% instead of 91% of a 64 x 4K shared prefix reused).
     snapshot_interval: int = 0
+    kv_load_timeout: float = 30.0  # seconds: an external-connector load taking longer is recomputed instead
 
 
 DEFAULTS = EngineDefaults()

@@ -29,6 +29,8 @@ from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
 from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
+from .kv_connector import ConnectorStats, Entry, EntryStore, KVConnector, LoadResult
+from .kv_connector import transfer
 from .prefix_cache import PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -71,6 +73,7 @@ class EngineStats:
     preemptions: int = 0
     peak_usage: dict = dataclasses.field(default_factory=dict)
     prefix: PrefixStats = dataclasses.field(default_factory=PrefixStats)  # prefix-cache hits, this placement
+    connector: ConnectorStats | None = None  # external KV connector loads and saves (None: no connector)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -104,6 +107,8 @@ class LLM:
         enable_prefix_caching: bool = DEFAULTS.prefix_caching,
         snapshot_memory_fraction: float = DEFAULTS.snapshot_memory_fraction,
         snapshot_interval: int = DEFAULTS.snapshot_interval,
+        kv_connector: EntryStore | None = None,
+        kv_load_timeout: float = DEFAULTS.kv_load_timeout,
         seed: int = 0,
         tokenizer=None,
         debug_checks: bool = False,
@@ -126,7 +131,9 @@ class LLM:
         share a prefix (``engine/prefix_cache.py``); snapshots take up to ``snapshot_memory_fraction`` of the
         cache budget, and prefill chunks of recurrent placements also end at multiples of ``snapshot_interval``
         tokens (a multiple of ``page_size``; 0, the default: only at page-aligned chunk ends and branch
-        points)."""
+        points). ``kv_connector``: an external store (``kv_connector.HostMemoryStore``, ``DiskStore``) that
+        prefill saves prefixes to and admissions load longer prefixes from, asynchronously (needs prefix
+        caching); a load taking more than ``kv_load_timeout`` seconds is abandoned and its prefix recomputed."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -179,6 +186,9 @@ class LLM:
             raise CacheConfigError(f"snapshot_memory_fraction must be in [0, 1), got {snapshot_memory_fraction!r}")
         self.snapshot_interval = snapshot_interval
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        if kv_connector is not None and not self.enable_prefix_caching:
+            raise CacheConfigError("kv_connector needs enable_prefix_caching=True: the connector stores prefixes "
+                                   "under their prefix-cache hashes")
         self.snapshot_memory_fraction = snapshot_memory_fraction
         self.page_size = page_size
         self.seed = seed
@@ -197,6 +207,10 @@ class LLM:
             raise ValueError("step_runner was built for a different model")
         self.runner = step_runner if step_runner is not None else StepRunner(model, self.log)
         self.stats = EngineStats()
+        self.kv_connector = None
+        if kv_connector is not None:
+            self.kv_connector = KVConnector(kv_connector, kv_load_timeout, log=self.log)
+            self.stats.connector = self.kv_connector.stats
         self._request_counter = 0
         self._cache = None
         self.placement = None
@@ -207,6 +221,8 @@ class LLM:
         self.stats = EngineStats()
         if self.prefix_cache is not None:
             self.prefix_cache.attach_stats(self.stats.prefix)
+        if self.kv_connector is not None:
+            self.kv_connector.stats = self.stats.connector = ConnectorStats()
 
     # ------------------------------------------------------------------------------------------------------------
     def _budget_from_device(self, fraction: float) -> int:
@@ -259,7 +275,7 @@ class LLM:
             if self.layout.state is not None and not plan.snapshots:
                 self.log("prefix cache: no room for one recurrent-state snapshot, so no prefix can be reused under "
                          "this placement; raise snapshot_memory_fraction or the cache budget")
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.prefix_cache)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.prefix_cache, self.kv_connector)
         self.placement = resolved
         self.log(f"cache: {plan.summary(self.layout)}")
         rows = plan.slots + plan.snapshots  # state arrays: slots, then snapshots
@@ -267,6 +283,13 @@ class LLM:
             self._cache = self.model.init_paged_cache(resolved, plan.pages, plan.page_size, rows)
         else:
             self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, rows))()
+        if self.kv_connector is not None:
+            specs = transfer.row_specs(self._cache, self.layout)
+            self.kv_connector.configure(
+                plan.page_size,
+                {name: spec for name, spec in specs.items() if not name.startswith("state/")},
+                {name: spec for name, spec in specs.items() if name.startswith("state/")},
+            )
         if self._warm_up != "none":
             self._cache = self.runner.warm_up(
                 self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,
@@ -386,16 +409,25 @@ class LLM:
         return self.scheduler.abort(request_id) is not None
 
     # ------------------------------------------------------------------------------------------------------------
-    def _step(self) -> Iterator[StreamEvent]:
-        step = self.scheduler.schedule()
-        if step is None:
-            raise RuntimeError("the scheduler has waiting requests but can run nothing; this is a bug")
-        self.stats.preemptions += len(step.preempted)
-        if not step.rows:
-            return
-        if self.prefix_cache is not None and self.layout.state:  # snapshots saved after the last step, then restored
+    def _apply_copies(self) -> None:
+        """Run the prefix cache's queued state-row copies: snapshots saved, then snapshots restored."""
+        if self.prefix_cache is not None and self.layout.state:
             for pairs in self.prefix_cache.take_copies():
                 self._cache = self.runner.copy_state_rows(self._cache, self.layout.state.layers, pairs)
+
+    def _step(self) -> Iterator[StreamEvent]:
+        if self.kv_connector is not None and self.scheduler.loading:
+            self._finish_loads(self.kv_connector.poll())
+        step = self.scheduler.schedule()
+        if step is None:
+            if self.scheduler.loading:  # only loads in flight: a zero-token step waits for one of them
+                self.kv_connector.wait(0.05)
+                return
+            raise RuntimeError("the scheduler has waiting requests but can run nothing; this is a bug")
+        self.stats.preemptions += len(step.preempted)
+        self._apply_copies()  # before the step, and before a load writes into a slot a restore targets
+        if not step.rows:
+            return
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
@@ -418,6 +450,8 @@ class LLM:
         for family, (used, _) in self.cache_manager.usage().items():
             self.stats.peak_usage[family] = max(self.stats.peak_usage.get(family, 0), used)
         self.scheduler.complete(step, fed)
+        if self.kv_connector is not None and not decode:
+            self._save_prefill(step)
         now = time.monotonic()
         for i, row in enumerate(step.rows):
             if not row.samples:
@@ -428,6 +462,83 @@ class LLM:
                     break
         if self.debug_checks:
             self.scheduler.check_invariants()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _finish_loads(self, results: list[LoadResult]) -> None:
+        """Write what finished loads read into their requests' pages and slot, then let them run (or go back to
+        the queue when a load stopped short of its claim)."""
+        if not results:
+            return
+        self._apply_copies()  # a restore queued into a slot must land before a load overwrites it
+        size = self.page_size
+        for result in results:
+            request = self.scheduler.loading.get(result.request_id)
+            if request is None:  # aborted while loading
+                continue
+            tokens = result.good_pages * size
+            if result.good_pages > result.first_page:
+                blocks = self.cache_manager.blocks(request.request_id)
+                pages, values = {}, {}
+                for family, table in blocks.tables.items():
+                    first = max(result.first_page, blocks.first_page[family])  # window: only pages in view
+                    js = range(first, result.good_pages)
+                    pages[family] = np.array([table[j - blocks.first_page[family]] for j in js], np.int32)
+                    for name, rows in result.pages.items():
+                        if name.split("/")[0] == family:
+                            values[name] = rows[first - result.first_page :]
+                pages = {f: p for f, p in pages.items() if len(p)}
+                values = {n: v for n, v in values.items() if n.split("/")[0] in pages}
+                state_rows = None
+                if result.state is not None:
+                    values.update(result.state)
+                    state_rows = np.array([blocks.slot], np.int32)
+                self._cache = transfer.write_rows(self._cache, self.layout, pages, values, state_rows)
+                self.stats.connector.tokens_loaded += tokens - result.first_page * size
+            self.scheduler.finish_load(request, tokens)
+
+    def _save_prefill(self, step) -> None:
+        """Queue saves of the pages this prefill step completed (and of the state at chunk ends on a page
+        boundary) that the store lacks; the device gather is dispatched now, the host copy and the store writes
+        run on the connector's save worker."""
+        size = self.page_size
+        connector = self.kv_connector
+        page_keys, page_ids, state_keys, state_slots = [], {f: [] for f in self.cache_manager.pools}, [], []
+        for row in step.rows:
+            request = row.request
+            if not request.prefix_cacheable or not self.cache_manager.holds(request.request_id):
+                continue
+            blocks = self.cache_manager.blocks(request.request_id)
+            done = request.num_computed // size
+            chain = self.prefix_cache.chain(request, done)
+            for j in range(request.saved_pages, done):
+                index = {f: j - blocks.first_page[f] for f in blocks.tables}
+                if all(0 <= i < len(blocks.tables[f]) for f, i in index.items()) and not connector.contains("page", chain[j]):
+                    page_keys.append(chain[j])
+                    for family, i in index.items():
+                        page_ids[family].append(blocks.tables[family][i])
+            request.saved_pages = max(request.saved_pages, done)
+            end = row.start + row.length
+            if self.layout.state is not None and end % size == 0 and end == request.num_computed:
+                key = chain[end // size - 1]
+                if not connector.contains("state", key):
+                    state_keys.append(key)
+                    state_slots.append(blocks.slot)
+        if not page_keys and not state_keys:
+            return
+        pages = {f: np.array(ids, np.int32) for f, ids in page_ids.items()} if page_keys else {}
+        gathered, counts = transfer.gather_rows(self._cache, self.layout, pages,
+                                                np.array(state_slots, np.int32) if state_keys else None)
+
+        def build() -> list[Entry]:
+            host = transfer.to_host(gathered, counts)
+            entries = []
+            for i, key in enumerate(page_keys):
+                entries.append(Entry("page", key, {n: a[i] for n, a in host.items() if not n.startswith("state/")}))
+            for i, key in enumerate(state_keys):
+                entries.append(Entry("state", key, {n: a[i] for n, a in host.items() if n.startswith("state/")}))
+            return entries
+
+        connector.save(build)
 
     @staticmethod
     def _unsent_text(request: Request, finished: bool) -> str:

@@ -195,12 +195,27 @@ class PrefixCache:
             self._restores.append((hit.snapshot, self.manager.blocks(request.request_id).slot, request.request_id))
             self.stats.snapshots_restored += 1
         request.cached_pages = hit.tokens // self.page_size
+        self._count(request, hit)
+        return True
+
+    def admit_claim(self, request: "Request", hit: PrefixHit, claim_tokens: int) -> bool:
+        """Allocate a waiting request's blocks from ``hit`` up to ``claim_tokens`` (a longer prefix an external
+        store will load) and a state slot; no snapshot restore (the load writes the state, and a load that fails
+        sends the request back to be admitted again). Window families get every page from the hit on, not just
+        those in view at the claim, so a load that stops short still leaves a usable prefix for every family
+        (the next allocation drops the pages out of view). False (nothing changed) when a pool is short."""
+        if not self.manager.try_allocate(request.request_id, hit.tokens, claim_tokens - hit.tokens, hit):
+            return False
+        request.cached_pages = hit.tokens // self.page_size
+        self._count(request, hit)
+        return True
+
+    def _count(self, request: "Request", hit: PrefixHit) -> None:
         self.stats.queries += 1
         self.stats.query_tokens += request.num_tokens
         self.stats.hit_tokens += hit.tokens
         for family, tokens in hit.family_tokens.items():
             self.stats.family_hit_tokens[family] = self.stats.family_hit_tokens.get(family, 0) + tokens
-        return True
 
     def _known_run(self, request: "Request", start_page: int, end_page: int) -> int:
         """The last boundary in [start_page, end_page] up to which the request's prefix is known."""

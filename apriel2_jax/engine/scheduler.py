@@ -13,6 +13,13 @@ A request is "done prefilling" once its cached length reaches ``num_tokens - 1``
 last prompt token (fed in the final chunk, whose logits give the first sampled token) or a sampled token that
 decode feeds. Preemption (newest first) releases a request's pages and slot and sends it back to the front of
 the waiting queue with nothing cached; it then recomputes prompt + generated tokens in one prefill.
+
+With an external KV connector (``kv_connector/``), an admitted request whose prefix the store holds beyond the
+local prefix cache gets its blocks up to the claim and waits in ``loading`` (its own state: never scheduled,
+never preempted, never re-claimed) while the load runs and other requests step. When the load is done
+(:meth:`Scheduler.finish_load`) it runs from the claim; a load that stopped short publishes what it loaded and
+the request goes back to the front of the queue, to be admitted again from whatever prefix every family then
+has cached, without the connector, so block tables are always rebuilt consistently.
 """
 
 from __future__ import annotations
@@ -21,14 +28,18 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 from .cache_manager import CacheManager
 from .prefix_cache import PrefixCache
 
+if TYPE_CHECKING:
+    from .kv_connector import KVConnector
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # blocks held, prefix being loaded from an external store
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -55,6 +66,11 @@ class Request:
     page_hashes: list = dataclasses.field(default_factory=list)
     cached_pages: int = 0
     prefix_cacheable: bool = True
+    # External KV connector: the load in flight (local prefix tokens, claimed tokens), pages known to be in the
+    # store (nothing before them is saved again), and whether a load of this request already failed.
+    load: tuple[int, int] | None = None
+    saved_pages: int = 0
+    skip_connector: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -108,12 +124,17 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, prefix: PrefixCache | None = None):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, prefix: PrefixCache | None = None,
+                 connector: "KVConnector | None" = None):
+        if connector is not None and prefix is None:
+            raise ValueError("an external KV connector needs prefix caching (entries are named by prefix hashes)")
         self.config = config
         self.cache = cache
         self.prefix = prefix
+        self.connector = connector
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
+        self.loading: dict[Hashable, Request] = {}  # requests whose prefix is being loaded by the connector
         self._arrivals = itertools.count()
         self._last_kind = "prefill"
 
@@ -127,7 +148,7 @@ class Scheduler:
         """Benchmarking only: admit ``request`` as if its first ``cached_tokens`` tokens were already in the
         cache (pages and slot allocated, contents not computed), so decode speed at a long context can be
         measured without running the prefill."""
-        if len(self.running) >= self.config.max_num_seqs:
+        if self.num_admitted >= self.config.max_num_seqs:
             raise RuntimeError(f"cannot admit: {len(self.running)} requests already running (max_num_seqs)")
         if not 0 <= cached_tokens < request.num_tokens:
             raise ValueError(f"cached_tokens must be in [0, {request.num_tokens}), got {cached_tokens}")
@@ -141,6 +162,14 @@ class Scheduler:
         self.running.append(request)
 
     def abort(self, request_id: Hashable) -> Request | None:
+        request = self.loading.pop(request_id, None)
+        if request is not None:
+            self.connector.cancel(request_id)
+            request.load = None
+            self._release(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "abort"
+            return request
         for queue in (self.waiting, self.running):
             for request in queue:
                 if request.request_id == request_id:
@@ -159,7 +188,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self.running) + len(self.loading)
 
     # ------------------------------------------------------------------------------------------------------------
     def _release(self, request: Request) -> None:
@@ -249,12 +282,18 @@ class Scheduler:
                     budget -= length
                     rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
         while self.waiting and len(rows) < cfg.max_prefill_rows and budget > 0:
-            if len(self.running) >= cfg.max_num_seqs:
+            if self.num_admitted >= cfg.max_num_seqs:
                 break
             request = self.waiting[0]
             hit = self.prefix.match(request) if self.prefix is not None else None
             if hit is not None and self.prefix.should_wait(request, hit, self.running):
                 break
+            if hit is not None and self.connector is not None:
+                started = self._start_load(request, hit)
+                if started is None:  # another request is loading this prefix: it will be a local hit
+                    break
+                if started:
+                    continue
             request.num_computed = hit.tokens if hit is not None else 0
             length = self._chunk(request, budget)
             admitted = False
@@ -273,6 +312,52 @@ class Scheduler:
             rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
         return [row for row in rows if row.request.status is RequestStatus.RUNNING]
 
+    def _start_load(self, request: Request, hit) -> bool | None:
+        """Admit the waiting head as LOADING when the connector holds a longer prefix than the local hit and its
+        blocks fit (True); False to admit it the usual way; None to wait, when a loading request is already
+        loading that prefix (its pages and state become local hits: the same entries are not read twice)."""
+        if request.skip_connector:
+            return False
+        size = self.cache.page_size
+        limit = (request.num_tokens - 1) // size
+        chain = self.prefix.chain(request, limit)
+        pages = self.connector.claim(chain, hit.tokens // size, limit)
+        if not pages:
+            return False
+        for other in self.loading.values():
+            if other.load[1] >= pages * size and other.page_hashes[pages - 1] == chain[pages - 1]:
+                return None
+        if not self.prefix.admit_claim(request, hit, pages * size):
+            return False  # no room for the claimed pages now: compute instead of holding the queue
+        self.waiting.popleft()
+        request.num_computed = hit.tokens
+        request.load = (hit.tokens, pages * size)
+        request.saved_pages = pages
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = request
+        self.connector.start_load(request.request_id, chain, hit.tokens // size, pages)
+        return True
+
+    def finish_load(self, request: Request, tokens: int) -> None:
+        """The load of ``request`` ended with its first ``tokens`` tokens in the cache (written by the caller):
+        the whole claim: it runs from there; less: it publishes what it has and is queued again at the front
+        (its blocks released), to resume from the longest prefix every family holds, recomputing the rest."""
+        del self.loading[request.request_id]
+        local, claimed = request.load
+        request.load = None
+        request.num_computed = tokens
+        if tokens > local:
+            self.prefix.chunk_done(request, tokens)  # publish the loaded pages; snapshot the loaded state
+        if tokens == claimed:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            return
+        self._release(request)
+        request.num_computed = 0
+        request.skip_connector = True  # never claimed again: no load loop on a failing store
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
     def complete(self, step: ScheduledStep, fed: dict | None = None) -> None:
         """Record that the step ran: the fed tokens are now cached. ``fed`` maps a request to the tokens the
         step fed it when that differs from its row's length (a decode row that ran several iterations)."""
@@ -288,8 +373,14 @@ class Scheduler:
         self.cache.check_invariants()
         if self.prefix is not None:
             self.prefix.check(self.running)
-        if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError(f"{len(self.running)} running requests > max_num_seqs {self.config.max_num_seqs}")
+        if self.num_admitted > self.config.max_num_seqs:
+            raise AssertionError(f"{self.num_admitted} running and loading requests > max_num_seqs "
+                                 f"{self.config.max_num_seqs}")
+        for request in self.loading.values():
+            if not self.cache.holds(request.request_id) or request.load is None:
+                raise AssertionError(f"loading request {request.request_id!r} holds no blocks or has no load")
+            if request.status is not RequestStatus.LOADING:
+                raise AssertionError(f"request {request.request_id!r} is loading with status {request.status}")
         for request in self.running:
             if not self.cache.holds(request.request_id) and request.num_computed > 0:
                 raise AssertionError(f"running request {request.request_id!r} has cached tokens but no blocks")

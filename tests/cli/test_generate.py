@@ -257,3 +257,39 @@ def test_prefix_caching_flag_and_summary():
     line = next(line for line in log.splitlines() if line.startswith("prefix cache:"))
     assert "16 prefill tokens saved" in line and "state" in line
     assert "prefix cache:" not in plain_log
+
+
+def test_kv_connector_flags_disk_store_reused_by_a_second_run(tmp_path):
+    """--kv-connector disk: the first run saves its prefix to the directory, a second run (a fresh engine)
+    loads it and says so in the summary; the tokens do not change. Flag mistakes are usage errors."""
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    infos, metadata = read_header(os.path.join(directory, "golden.safetensors"))
+    prompt = ",".join(str(int(t)) for t in read_tensor(infos["input_ids"])[0, : int(metadata["prompt_len"])])
+    store = str(tmp_path / "kv")
+    base = [directory, "--placement", "mamba", "--max-new-tokens", "4", "--ignore-eos", "--json", *ENGINE,
+            "--max-num-seqs", "1", "--max-chunk", "8", "--prompt-ids", prompt]
+    runs = []
+    for _ in range(2):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            assert main(base + ["--kv-connector", "disk", "--kv-connector-path", store]) == 0, err.getvalue()
+        runs.append(([r["token_ids"] for r in json.loads(out.getvalue())], err.getvalue()))
+    assert runs[0][0] == runs[1][0]
+    first = next(line for line in runs[0][1].splitlines() if line.startswith("kv connector:"))
+    second = next(line for line in runs[1][1].splitlines() if line.startswith("kv connector:"))
+    assert first.startswith("kv connector: 0 of 0 claimed") and "0 tokens and 0" not in first
+    assert second.startswith("kv connector: 16 of 16 claimed prefix tokens loaded")
+    for flags, message in (
+        (["--kv-connector", "disk"], "--kv-connector disk needs --kv-connector-path"),
+        (["--kv-connector", "host"], "--kv-connector host needs --kv-connector-bytes"),
+        (["--kv-connector-path", store], "--kv-connector-path needs --kv-connector host or disk"),
+        (["--kv-connector", "host", "--kv-connector-bytes", "1G", "--no-prefix-caching"], "needs prefix caching"),
+    ):
+        err = io.StringIO()
+        with redirect_stdout(io.StringIO()), redirect_stderr(err):
+            assert main(base + flags) == 2
+        assert message in err.getvalue(), err.getvalue()
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(base + ["--kv-connector-bytes", "lots"]) == 2
+    assert "expected a size such as 512M" in err.getvalue()

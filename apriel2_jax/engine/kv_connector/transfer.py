@@ -40,19 +40,39 @@ def _layers(cache, layout: CacheLayout, families, with_state: bool) -> tuple:
     return tuple(layers)
 
 
-def read_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
-    """Host copies of ``pages[family]`` (page ids) of every layer of each family and of ``state_rows`` of every
-    recurrent layer: ``{name: array [n, ...]}`` with ``n`` the number of ids asked for that family/state."""
+def row_specs(cache, layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """name -> (shape, dtype) of one row of every array an entry carries under this cache's placement."""
+    families = {fam.key for fam in layout.attention}
+    return {f"{tag}/{layer}/{name}": (tuple(cache[layer][name].shape[1:]), np.dtype(cache[layer][name].dtype))
+            for tag, layer, name in _layers(cache, layout, families, True)}
+
+
+def gather_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
+    """Start copying ``pages[family]`` (page ids) of every layer of each family and ``state_rows`` of every
+    recurrent layer out of the cache: ``({name: device array [n_padded, ...]}, {family or "state": n})``. The
+    gather is dispatched, not waited for: a worker thread can move the result to the host while the next step
+    runs (its output buffers are the gather's own, so donating the cache to that step is safe)."""
     ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
     with_state = state_rows is not None
     if with_state:
         ids["state"] = pad_to_power_of_two(state_rows)
     layers = _layers(cache, layout, set(pages), with_state)
-    out = jax.device_get(_gather(cache, ids, layers=layers))
     counts = {family: len(p) for family, p in pages.items()}
     if with_state:
         counts["state"] = len(state_rows)
+    return _gather(cache, ids, layers=layers), counts
+
+
+def to_host(gathered, counts: dict[str, int]) -> dict[str, np.ndarray]:
+    """Host arrays of :func:`gather_rows`'s result, padding rows dropped."""
+    out = jax.device_get(gathered)
     return {name: np.asarray(a)[: counts[name.split("/")[0]]] for name, a in out.items()}
+
+
+def read_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
+    """Host copies of ``pages[family]`` (page ids) of every layer of each family and of ``state_rows`` of every
+    recurrent layer: ``{name: array [n, ...]}`` with ``n`` the number of ids asked for that family/state."""
+    return to_host(*gather_rows(cache, layout, pages, state_rows))
 
 
 def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values: dict[str, np.ndarray],
