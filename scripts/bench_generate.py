@@ -20,6 +20,11 @@ bytes; inactive sub-mixers only cost memory). Measures, side by side in one proc
     followed by ``--suffix-len`` unique tokens, submitted together and generating one token, with the engine's
     serving defaults; run with and without prefix caching (same compiled steps). Reports the total prefill
     time, tokens computed, time to first token and the hit rate of each cache family, and the speed-up.
+  * ``--kv-prefix N``: instead, the external KV connector: time to first token of a prompt whose N-token
+    prefix a fresh engine (empty device caches) recomputes, loads from a host-memory store, or loads from a
+    disk store (``--kv-path``; read through the OS page cache when it holds the files), each followed by
+    ``--suffix-len`` new tokens; and the same prompt prefix once more, now a local prefix-cache hit. Each
+    engine first serves another prefix the same way, so every path is compiled before it is timed.
 Prints one table row per placement and batch; ``--json`` appends the rows to a JSONL file.
 """
 
@@ -90,6 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="--shared-prefix: prompts submitted together")
     ap.add_argument("--suffix-len", type=int, default=256, help="--shared-prefix: unique tokens after the prefix")
     ap.add_argument("--snapshot-interval", type=int, default=0, help="--shared-prefix: the engine's snapshot_interval")
+    ap.add_argument("--kv-prefix", type=int, default=None, metavar="N",
+                    help="benchmark loading an N-token prefix through the KV connector (see above)")
+    ap.add_argument("--kv-path", default=None, help="--kv-prefix: directory of the disk store (default: a temp dir)")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
@@ -107,7 +115,8 @@ def main(argv=None) -> int:
     rows = []
     for tp in args.tensor_parallel:
         for name in args.placement:
-            run = run_capacity if args.capacity else run_shared_prefix if args.shared_prefix else run_placement
+            run = (run_capacity if args.capacity else run_shared_prefix if args.shared_prefix
+                   else run_kv_prefix if args.kv_prefix else run_placement)
             rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
     if args.capacity:
         for row in rows:
@@ -341,6 +350,71 @@ def run_shared_prefix(args, raw: dict, placement, name: str, bandwidth: float, t
         del llm
         gc.collect()
     del model
+    gc.collect()
+    return rows
+
+
+def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: int | None = None) -> list[dict]:
+    import shutil
+    import tempfile
+
+    from apriel2_jax.engine.kv_connector import DiskStore, HostMemoryStore
+
+    config, model, params, dtype = random_model(args, raw, placement, name, tp)
+    device = jax.devices()[0]
+    n = args.kv_prefix
+    if n % args.page_size:
+        raise SystemExit(f"--kv-prefix must be a multiple of --page-size {args.page_size}, got {n}")
+    max_len = n + args.suffix_len + args.page_size
+    rng = np.random.default_rng(0)
+    tokens = lambda k: [int(t) for t in rng.integers(3, config.vocab_size, size=k)]  # noqa: E731
+    warm_prefix, timed_prefix = tokens(n), tokens(n)
+    one_token = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    # Chunks end at multiples of the prefix length, so the writer leaves a state entry exactly at N.
+    engine = dict(model=model, max_model_len=max_len, page_size=args.page_size, cache_memory_fraction=0.9,
+                  snapshot_interval=n, max_num_seqs=8)
+    disk_dir = args.kv_path or tempfile.mkdtemp(prefix="apriel2-kv-")
+    stores = {"host": HostMemoryStore(64 * 2**30), "disk": DiskStore(disk_dir)}
+    runner = None
+
+    def ttft(llm, prefix) -> float:
+        return llm.generate([prefix + tokens(args.suffix_len)], one_token)[0].time_to_first_token
+
+    writer = LLM(kv_connector=stores["host"], **engine)
+    runner = writer.runner
+    for prefix in (warm_prefix, timed_prefix):
+        ttft(writer, prefix)
+    writer.kv_connector.flush()
+    for entry in list(stores["host"]._entries.values()):  # the same entries on disk
+        stores["disk"].put(entry)
+    del writer
+    gc.collect()
+    rows = []
+    for mode in ("recompute", "host", "disk"):
+        llm = LLM(kv_connector=stores.get(mode), step_runner=runner, **engine)
+        ttft(llm, warm_prefix)  # compiles this path's shapes (and the load's copies)
+        llm.reset_stats()
+        first = ttft(llm, timed_prefix)
+        loaded = llm.stats.connector.tokens_loaded if llm.stats.connector else 0
+        computed = llm.stats.prefill_tokens
+        local = ttft(llm, timed_prefix)  # the prefix is now in the device prefix cache
+        bytes_loaded = loaded * sum(f.token_bytes for f in llm.layout.attention) + (
+            llm.layout.state.slot_bytes if llm.layout.state and loaded else 0)
+        rows.append({
+            "device": device.device_kind, "date": time.strftime("%Y-%m-%d"),
+            "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name, "tp": tp or "none",
+            "mode": mode, "prefix": n, "suffix": args.suffix_len, "ttft_ms": round(first * 1e3, 1),
+            "tokens_loaded": loaded, "prefill_tokens": computed,
+            "loaded_GB": round(bytes_loaded / 1e9, 3),
+            "load_GB_s": round(bytes_loaded / 1e9 / first, 2) if loaded else 0.0,
+            "local_hit_ttft_ms": round(local * 1e3, 1),
+        })
+        rows[-1]["speedup"] = round(rows[0]["ttft_ms"] / rows[-1]["ttft_ms"], 2)
+        del llm
+        gc.collect()
+    if not args.kv_path:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    del model, stores
     gc.collect()
     return rows
 

@@ -6,8 +6,9 @@
 # PART "engine05b" / "engine15b": the serving engine on random weights of the 0.5B and 15B geometries (configs from
 # $CONFIGS, default ../shared/configs; carry a copy when the device lacks it): decode steps, prefill with the
 # engine's defaults, start-up from a cold and a warm compilation cache, and the 15B capacity benchmark.
-# PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below).
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench|prefix|prefix15b
+# PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below);
+# "kv15b": time to first token of an 8K prefix loaded through the KV connector (host, disk) vs recomputed.
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -86,8 +87,14 @@ elif [ "$part" = prefix15b ]; then
   step prefix_15b 560 python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --shared-prefix 4096 \
     --suffix-len 256 --requests 64 --placement ${PLACEMENTS:-all-attention reg-lklhd-10} \
     --json "$out/prefix_15b.jsonl"
+elif [ "$part" = kv15b ]; then
+  configs=${CONFIGS:-../shared/configs}
+  step kv_15b 560 python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --kv-prefix 8192 \
+    --suffix-len 256 --placement ${PLACEMENTS:-all-attention reg-lklhd-10} --kv-path "$out/kv_store" \
+    --json "$out/kv_15b.jsonl"
+  rm -rf "$out/kv_store"
 else
-  echo "PART must be prefill, others, engine05b, engine15b, tp_parity, tp_bench, prefix or prefix15b, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b, engine15b, tp_parity, tp_bench, prefix, prefix15b or kv15b, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*
