@@ -397,6 +397,7 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         first = ttft(llm, timed_prefix)
         loaded = llm.stats.connector.tokens_loaded if llm.stats.connector else 0
         computed = llm.stats.prefill_tokens
+        load_s = llm.stats.connector.load_seconds if llm.stats.connector else 0.0  # worker: reads + device copy
         local = ttft(llm, timed_prefix)  # the prefix is now in the device prefix cache
         bytes_loaded = loaded * sum(f.token_bytes for f in llm.layout.attention) + (
             llm.layout.state.slot_bytes if llm.layout.state and loaded else 0)
@@ -407,7 +408,7 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             "tokens_loaded": loaded, "prefill_tokens": computed,
             "loaded_GB": round(bytes_loaded / 1e9, 3),
             "load_GB_s": round(bytes_loaded / 1e9 / first, 2) if loaded else 0.0,
-            "local_hit_ttft_ms": round(local * 1e3, 1),
+            "load_worker_ms": round(load_s * 1e3, 1), "local_hit_ttft_ms": round(local * 1e3, 1),
         })
         rows[-1]["speedup"] = round(rows[0]["ttft_ms"] / rows[-1]["ttft_ms"], 2)
         del llm

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -209,7 +210,12 @@ class LLM:
         self.stats = EngineStats()
         self.kv_connector = None
         if kv_connector is not None:
-            self.kv_connector = KVConnector(kv_connector, kv_load_timeout, log=self.log)
+            # Loaded arrays are copied to the device on the load worker, while the engine keeps stepping; the
+            # copy is complete (and never aliases the worker's reused host buffers) when ``stage`` returns.
+            def stage(arrays):
+                return jax.block_until_ready(jax.tree.map(lambda a: jnp.array(a, copy=True), arrays))
+
+            self.kv_connector = KVConnector(kv_connector, kv_load_timeout, stage=stage, log=self.log)
             self.stats.connector = self.kv_connector.stats
         self._request_counter = 0
         self._cache = None
@@ -485,7 +491,8 @@ class LLM:
                     pages[family] = np.array([table[j - blocks.first_page[family]] for j in js], np.int32)
                     for name, rows in result.pages.items():
                         if name.split("/")[0] == family:
-                            values[name] = rows[first - result.first_page :]
+                            offset = first - result.first_page
+                            values[name] = rows[offset:] if offset else rows
                 pages = {f: p for f, p in pages.items() if len(p)}
                 values = {n: v for n, v in values.items() if n.split("/")[0] in pages}
                 state_rows = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..cache_layout import CacheLayout
@@ -28,7 +29,11 @@ def _scatter(cache, ids, values, *, layers):
     cache = list(cache)
     for tag, layer, name in layers:
         entry = dict(cache[layer])
-        entry[name] = entry[name].at[ids[tag]].set(values[f"{tag}/{layer}/{name}"].astype(entry[name].dtype))
+        rows, n = values[f"{tag}/{layer}/{name}"], ids[tag].shape[0]
+        # Values may carry more rows than ids (a loaded buffer) or fewer (ids padded to a power of two): padding
+        # rows rewrite the sink with zeros; it is never read unmasked.
+        rows = rows[:n] if rows.shape[0] >= n else jnp.pad(rows, [(0, n - rows.shape[0])] + [(0, 0)] * (rows.ndim - 1))
+        entry[name] = entry[name].at[ids[tag]].set(rows.astype(entry[name].dtype))
         cache[layer] = entry
     return tuple(cache)
 
@@ -75,20 +80,14 @@ def read_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_ro
     return to_host(*gather_rows(cache, layout, pages, state_rows))
 
 
-def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values: dict[str, np.ndarray],
-               state_rows: np.ndarray | None = None):
-    """Write ``values`` (as returned by :func:`read_rows`, rows in the same order) into ``pages[family]`` and
-    ``state_rows``; returns the updated cache (the old one is donated)."""
+def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values: dict, state_rows: np.ndarray | None = None):
+    """Write ``values`` (as returned by :func:`read_rows`: rows in the order of ``pages[family]`` and
+    ``state_rows``; host or device arrays, extra rows ignored) into those pages and rows; returns the updated
+    cache (the old one is donated)."""
     with_state = state_rows is not None
     layers = _layers(cache, layout, set(pages), with_state)
-    ids, padded = {}, {}
-    for family, p in list(pages.items()) + ([("state", state_rows)] if with_state else []):
-        ids[family] = pad_to_power_of_two(p)
-    for tag, layer, name in layers:
-        key = f"{tag}/{layer}/{name}"
-        rows = values[key]
-        full = np.zeros((len(ids[tag]),) + rows.shape[1:], rows.dtype)
-        full[: len(rows)] = rows
-        # Padding rows rewrite the sink with zeros: it is never read unmasked.
-        padded[key] = full
-    return _scatter(cache, ids, padded, layers=layers)
+    ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
+    if with_state:
+        ids["state"] = pad_to_power_of_two(state_rows)
+    return _scatter(cache, ids, {f"{tag}/{layer}/{name}": values[f"{tag}/{layer}/{name}"] for tag, layer, name in layers},
+                    layers=layers)

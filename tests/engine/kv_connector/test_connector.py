@@ -309,3 +309,24 @@ def test_disk_corruption_is_detected_by_checksum_and_recomputed(hybrid, tmp_path
     assert reader.stats.connector.failed_loads == 1
     assert reader.stats.connector.tokens_loaded == 8  # pages 0..2 good; the nearest state before page 3: 8
     _drained(reader)
+
+
+def test_reused_load_buffers_hold_only_the_current_load():
+    """Host buffers are reused from one load to the next (with a copying stage): rows of the current load only,
+    the padding rows zero, and earlier results untouched."""
+    from apriel2_jax.engine.kv_connector.connector import KVConnector, _Load
+
+    specs = {"full/0/k": ((2, 3), np.dtype(np.float32)), "full/0/v": ((2, 3), np.dtype(np.float32))}
+    chain = [bytes([i]) * 16 for i in range(8)]
+    store = HostMemoryStore(2**20)
+    for i, key in enumerate(chain):
+        store.put(Entry("page", key, {n: np.full(s, i + 1, d) for n, (s, d) in specs.items()}))
+    connector = KVConnector(store, stage=lambda tree: {k: np.array(v, copy=True) for k, v in tree.items()})
+    connector.configure(4, specs, {})
+    results = [connector._run_load(_Load("r", chain, first, 8, float("inf"))) for first in (0, 3, 5)]
+    for result, first in zip(results, (0, 3, 5)):
+        rows = result.pages["full/0/v"][:, 0, 0]
+        assert result.good_pages == 8
+        np.testing.assert_array_equal(rows[: 8 - first], np.arange(first, 8) + 1)
+        assert not rows[8 - first :].any()  # padding to a power of two: zeros
+    assert len(results[1].pages["full/0/k"]) == 8 and len(results[2].pages["full/0/k"]) == 4
