@@ -43,12 +43,13 @@ def _error_response(status: int, message: str, param: str | None = None, code: s
                         status_code=status)
 
 
-def create_app(llm: LLM, *, model_name: str | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
+def create_app(llm: LLM, *, model_name: str | None = None, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+               log: Callable[[str], None] | None = None) -> FastAPI:
     """The app serving ``llm``, which it owns from start-up to shutdown (the engine thread runs it; nothing else
-    may call it meanwhile). ``app.state.engine`` is the :class:`EngineLoop`."""
+    may call it meanwhile). ``app.state.engine`` is the :class:`EngineLoop`; ``log`` receives the engine thread's
+    messages (failed steps with their tracebacks; default: the engine's log)."""
     model_name = model_name or "apriel2"
-    engine = EngineLoop(llm, max_queued_requests=max_queued_requests, metrics=ServerMetrics())
+    engine = EngineLoop(llm, max_queued_requests=max_queued_requests, metrics=ServerMetrics(), log=log)
     view = EngineView(model_name, llm.config.vocab_size, llm.max_model_len, tuple(llm.config.eos_token_ids),
                       llm.tokenizer)
 

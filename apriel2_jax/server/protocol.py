@@ -144,7 +144,11 @@ def parse_body(model: type[_Body], raw: bytes) -> _Body:
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
+        errors = err.errors(include_url=False)
+        first = errors[0]
+        # A union reports every member's failure: the one that got furthest into the value says most.
+        same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+        first = max(same_field, key=lambda e: len([p for p in e["loc"] if isinstance(p, int) or not _is_union_tag(p)]))
         if first["type"] == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
         if first["type"] == "model_type":
@@ -152,7 +156,6 @@ def parse_body(model: type[_Body], raw: bytes) -> _Body:
         param = _param(first["loc"])
         if first["type"] == "missing":
             raise APIError(400, f"{param}: this field is required", param=param) from None
-        # One message per field: a union reports every member's failure, which says little more than the first.
         value = first.get("input")
         shown = repr(value) if isinstance(value, (int, float, str, bool)) or value is None else type(value).__name__
         raise APIError(400, f"{param}: {first['msg']} (got {shown})", param=param) from None

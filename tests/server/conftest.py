@@ -49,12 +49,24 @@ def text_ckpt(tmp_path_factory):
     return str(directory)
 
 
+ENGINE_LOG: list[str] = []  # the engine thread's messages (a failed step logs its traceback here)
+
+
 @pytest.fixture(scope="session")
 def server(text_ckpt):
     llm = LLM(text_ckpt, placement="mamba", tokenizer=Tokenizer.from_dir(text_ckpt), **ENGINE)
-    app = create_app(llm, model_name=MODEL, max_queued_requests=MAX_QUEUED)
+    app = create_app(llm, model_name=MODEL, max_queued_requests=MAX_QUEUED, log=ENGINE_LOG.append)
     with BackgroundServer(app) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def no_engine_failures():
+    """A test fails if the engine thread logged a failure it did not ask for (tests that inject one take their
+    messages out of ENGINE_LOG)."""
+    start = len(ENGINE_LOG)
+    yield
+    assert ENGINE_LOG[start:] == [], "engine thread failures:\n" + "\n".join(ENGINE_LOG[start:])
 
 
 @pytest.fixture(scope="session")
