@@ -42,22 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _llm_kwargs(args) -> dict:
-    kwargs = engine_kwargs(args)
-    # Until LLM takes the KV connector arguments, leave them out when unused (an older LLM rejects them).
-    import inspect
-
-    from ..engine.llm import LLM
-
-    accepted = inspect.signature(LLM.__init__).parameters
-    for key in ("kv_connector", "kv_load_timeout"):
-        if key not in accepted:
-            if key == "kv_connector" and kwargs[key] is not None:
-                raise ValueError("--kv-connector: this engine build does not support KV connectors yet")
-            kwargs.pop(key)
-    return kwargs
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -96,7 +80,7 @@ def main(argv=None) -> int:
             # (the engine thread compiles steps too).
             jax.config.update("jax_default_matmul_precision", "highest")
         llm = LLM(directory, placement=placement, placements=named or None, seed=args.seed, tokenizer=tokenizer,
-                  **_llm_kwargs(args))
+                  **engine_kwargs(args))
     except (ConfigError, CheckpointError, PlacementError, CacheConfigError, FileNotFoundError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
