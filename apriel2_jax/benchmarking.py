@@ -72,6 +72,15 @@ def print_rows(rows: list[dict], json_path: str | None = None) -> None:
             json.dump(rows, f, indent=1)
 
 
+def append_jsonl(path: str, rows: list[dict]) -> None:
+    """Append the rows to a JSONL file, one object per line (results collected over several runs)."""
+    import json
+
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def after(x: jax.Array, carry) -> jax.Array:
     """``x`` unchanged, but computed after ``carry`` exists: a data dependence that orders a step behind the previous
     one. Without it, XLA may run back-to-back executions that share no data concurrently, and a time per call

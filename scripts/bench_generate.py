@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from apriel2_jax.benchmarking import (device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
+from apriel2_jax.benchmarking import (append_jsonl, device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
                                       step_breakdown, trace_events)
 from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
@@ -123,9 +123,7 @@ def main(argv=None) -> int:
             row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
     print_rows(rows)
     if args.json:
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_jsonl(args.json, rows)
     return 0
 
 

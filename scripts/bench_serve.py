@@ -228,13 +228,11 @@ def main(argv=None) -> int:
             os.path.join(args.config_dir, "placements.json")) else {}
         for name in args.placement:
             rows += serve_placement(args, raw, named, name)
-    from apriel2_jax.benchmarking import print_rows
+    from apriel2_jax.benchmarking import append_jsonl, print_rows
 
     print_rows(rows)
     if args.json:
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_jsonl(args.json, rows)
     return 0
 
 

@@ -145,3 +145,15 @@ def write_checkpoint(directory: str, config_dict: dict, weights: dict[str, np.nd
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return directory
+
+
+def golden_model(case_name: str):
+    """(case, float32 model, step runner) of a golden case: engines built on them share compiled steps."""
+    from apriel2_jax.checkpoint import load_model
+    from apriel2_jax.engine.step import StepRunner
+    from apriel2_jax.parity import load_case
+    from tests.conftest import GOLDENS
+
+    directory = os.path.join(GOLDENS, case_name)
+    model = load_model(directory, "float32")
+    return load_case(directory), model, StepRunner(model)

@@ -327,7 +327,7 @@ def _run(args) -> int:
     from ..safetensors_io import CheckpointError
     from ..engine.cache_layout import CacheConfigError
     from ..engine.sampling import SamplingError, SamplingParams
-    from ..engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerNotFound
+    from ..engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerNotFound, with_end_of_turn
 
     errors = (ConfigError, CheckpointError, PlacementError, CacheConfigError, SamplingError, ChatTemplateError,
               FileNotFoundError, ValueError)
@@ -372,12 +372,9 @@ def _run(args) -> int:
         elif use_chat_template and not tokenizer.has_chat_template:
             raise UsageError(f"--chat-template: the tokenizer in {directory} has no chat template")
 
-        # A chat model's end-of-turn token is often the tokenizer's eos but not config.json's.
-        if tokenizer is not None and not params.ignore_eos:
-            eos = tokenizer.eos_token_id
-            if eos is not None and eos < config.vocab_size and eos not in config.eos_token_ids \
-                    and eos not in params.stop_token_ids:
-                params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + (eos,))
+        if not params.ignore_eos:
+            stop_ids = with_end_of_turn(params.stop_token_ids, tokenizer, config.vocab_size, config.eos_token_ids)
+            params = dataclasses.replace(params, stop_token_ids=stop_ids)
 
         prompt_ids = encode_prompts(prompts, tokenizer, use_chat_template)
         for index, ids in enumerate(prompt_ids):

@@ -290,12 +290,7 @@ class LLM:
         else:
             self._cache = jax.jit(lambda: self.model.init_paged_cache(resolved, plan.pages, plan.page_size, rows))()
         if self.kv_connector is not None:
-            specs = transfer.row_specs(self._cache, self.layout)
-            self.kv_connector.configure(
-                plan.page_size,
-                {name: spec for name, spec in specs.items() if not name.startswith("state/")},
-                {name: spec for name, spec in specs.items() if name.startswith("state/")},
-            )
+            self.kv_connector.configure(plan.page_size, *transfer.row_specs(self._cache, self.layout))
         if self._warm_up != "none":
             self._cache = self.runner.warm_up(
                 self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,
@@ -486,15 +481,15 @@ class LLM:
                 blocks = self.cache_manager.blocks(request.request_id)
                 pages, values = {}, {}
                 for family, table in blocks.tables.items():
-                    first = max(result.first_page, blocks.first_page[family])  # window: only pages in view
-                    js = range(first, result.good_pages)
-                    pages[family] = np.array([table[j - blocks.first_page[family]] for j in js], np.int32)
+                    first = max(result.first_page, blocks.first_page[family])  # window: only pages it holds
+                    if first >= result.good_pages:
+                        continue
+                    offset = blocks.first_page[family]
+                    pages[family] = np.array(table[first - offset : result.good_pages - offset], np.int32)
+                    skip = first - result.first_page
                     for name, rows in result.pages.items():
                         if name.split("/")[0] == family:
-                            offset = first - result.first_page
-                            values[name] = rows[offset:] if offset else rows
-                pages = {f: p for f, p in pages.items() if len(p)}
-                values = {n: v for n, v in values.items() if n.split("/")[0] in pages}
+                            values[name] = rows[skip:] if skip else rows
                 state_rows = None
                 if result.state is not None:
                     values.update(result.state)

@@ -241,3 +241,13 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, chat_template={self.has_chat_template})"
+
+
+def with_end_of_turn(stop_ids: tuple[int, ...], tokenizer: Tokenizer | None, vocab_size: int,
+                     model_eos: Sequence[int]) -> tuple[int, ...]:
+    """``stop_ids`` plus the tokenizer's eos when it is a valid id that config.json's eos ids lack: a chat
+    model's end-of-turn token is often the tokenizer's eos but not config.json's."""
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None or eos >= vocab_size or eos in model_eos or eos in stop_ids:
+        return tuple(stop_ids)
+    return tuple(stop_ids) + (eos,)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.sampling import SamplingError, SamplingParams
+from ..engine.tokenizer import with_end_of_turn
 
 __all__ = [
     "APIError",
@@ -233,11 +234,8 @@ def _sampling_params(body: _SamplingBody, view: EngineView, prompts: list[list[i
     if stop is not None and view.tokenizer is None:
         raise _bad("stop", "stop strings need a tokenizer and this model has none; use stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ())
-    if view.tokenizer is not None and not body.ignore_eos:
-        # A chat model's end-of-turn token is often the tokenizer's eos but not config.json's (as apriel2-generate).
-        eos = view.tokenizer.eos_token_id
-        if eos is not None and eos < view.vocab_size and eos not in view.eos_token_ids and eos not in stop_ids:
-            stop_ids += (eos,)
+    if not body.ignore_eos:
+        stop_ids = with_end_of_turn(stop_ids, view.tokenizer, view.vocab_size, view.eos_token_ids)
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,

@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 
-from apriel2_jax.checkpoint import load_model
 from apriel2_jax.engine.cache_layout import cache_layout, plan_cache
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
@@ -15,6 +14,7 @@ from apriel2_jax.engine.scheduler import ScheduledStep
 from apriel2_jax.parity import load_case
 from apriel2_jax.placement import resolve_placement
 from tests.conftest import GOLDENS, golden_cases
+from tests.helpers import golden_model
 
 GREEDY = SamplingParams.greedy(max_new_tokens=8, ignore_eos=True)
 SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8, max_prefill_rows=2,
@@ -42,11 +42,7 @@ def test_engine_greedy_matches_goldens_for_every_placement(case_name):
 @pytest.fixture(scope="module")
 def hybrid():
     """hybrid_all_mixers under the 'mamba' placement: attention, sliding window 8, GDN, KDA and Mamba layers."""
-    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
-    case = load_case(directory)
-    model = load_model(directory, "float32")
-    runner = StepRunner(model)
-    return case, model, runner
+    return golden_model("hybrid_all_mixers")
 
 
 def _engine(hybrid, **overrides):

@@ -1,12 +1,8 @@
 """Prefix caching: identical outputs with and without it on every golden case and placement (hybrid ones
 included), and the host-side pieces (hash chains, cached pages, snapshots, matching) on their own."""
 
-import os
-
-import numpy as np
 import pytest
 
-from apriel2_jax.checkpoint import load_model
 from apriel2_jax.engine.cache_layout import AttentionFamily, CacheLayout, CachePlan, StateFamily
 from apriel2_jax.engine.cache_manager import CacheManager
 from apriel2_jax.engine.llm import LLM
@@ -14,9 +10,9 @@ from apriel2_jax.engine.pools import PagePool, PoolError, SnapshotPool
 from apriel2_jax.engine.prefix_cache import PrefixCache, extend_chain, prefix_root
 from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.scheduler import Request
-from apriel2_jax.engine.step import Buckets, StepRunner
-from apriel2_jax.parity import load_case
-from tests.conftest import GOLDENS, golden_cases
+from apriel2_jax.engine.step import Buckets
+from tests.conftest import golden_cases
+from tests.helpers import golden_model
 
 GREEDY = SamplingParams.greedy(max_new_tokens=4, ignore_eos=True)
 # Pages of 4 tokens, chunks of 8 (the golden windows are 8 wide): prefixes below cross pages, chunks and windows.
@@ -40,10 +36,7 @@ def _run(llm, prompts):
 
 @pytest.mark.parametrize("case_name", golden_cases())
 def test_outputs_identical_with_and_without_prefix_caching(case_name):
-    directory = os.path.join(GOLDENS, case_name)
-    case = load_case(directory)
-    model = load_model(directory, "float32")
-    runner = StepRunner(model)
+    case, model, runner = golden_model(case_name)
     prompts = _shared_prefix_prompts(case)
     plain = LLM(model=model, placements=case.placements, step_runner=runner, enable_prefix_caching=False, **ENGINE)
     cached = LLM(model=model, placements=case.placements, step_runner=runner, **ENGINE)
@@ -63,10 +56,7 @@ def test_outputs_identical_with_and_without_prefix_caching(case_name):
 @pytest.fixture(scope="module")
 def hybrid():
     """hybrid_all_mixers under 'mamba': full attention, a window of 8, GDN, KDA and Mamba layers."""
-    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
-    case = load_case(directory)
-    model = load_model(directory, "float32")
-    return case, model, StepRunner(model)
+    return golden_model("hybrid_all_mixers")
 
 
 def _hybrid_engine(hybrid, **overrides):

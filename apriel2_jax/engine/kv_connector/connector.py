@@ -1,6 +1,6 @@
 """The connector the engine calls: how much of a prefix a store holds, asynchronous loads of it, and saves of
-what prefill computed. Plain Python + numpy: store reads and writes run on daemon worker threads; the device
-copies (``transfer.py``) stay with the engine loop.
+what prefill computed. Plain Python + numpy: store reads and writes run on daemon worker threads; the engine
+supplies the device side (``transfer.py``: gathers for saves, a ``stage`` copy of loaded arrays to the device).
 
 A *claim* is page-aligned and ends where the store holds a state entry (placements with recurrent layers): page
 entries ``local .. k - 1`` (the pages before ``local`` are in the device prefix cache) and the state entry at
@@ -35,7 +35,7 @@ class ConnectorStats:
     failed_loads: int = 0  # loads that stopped short of their claim (missing, corrupt, timed out)
     timeouts: int = 0
     failed_saves: int = 0
-    load_seconds: float = 0.0  # store reads of the loads that came back (worker time)
+    load_seconds: float = 0.0  # worker time of the loads that came back (store reads and the ``stage`` copy)
 
     def summary(self) -> str:
         return (
@@ -79,8 +79,8 @@ class KVConnector:
         """``read_threads``: entries of one load are read by this many threads (file reads, checksums and
         copies release the GIL). ``stage``: applied on the load worker to the loaded arrays (e.g. a copy to
         the device, so the engine loop does not wait for it). It must return copies, complete when it returns:
-        with it, each load worker reuses its host buffers from one load to the next (first touches of fresh
-        pages, not the copies, dominated the read time of an 8K-token prefix)."""
+        with it, loads reuse the host buffers of earlier loads (first touches of fresh pages, not the copies,
+        dominated the read time of an 8K-token prefix)."""
         if not load_timeout > 0:
             raise ValueError(f"kv load timeout must be > 0 seconds, got {load_timeout!r}")
         self.store = store

@@ -45,11 +45,22 @@ def _layers(cache, layout: CacheLayout, families, with_state: bool) -> tuple:
     return tuple(layers)
 
 
-def row_specs(cache, layout: CacheLayout) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """name -> (shape, dtype) of one row of every array an entry carries under this cache's placement."""
+def row_specs(cache, layout: CacheLayout) -> tuple[dict, dict]:
+    """(page entry specs, state entry specs): name -> (shape, dtype) of one row of every array an entry carries
+    under this cache's placement."""
     families = {fam.key for fam in layout.attention}
-    return {f"{tag}/{layer}/{name}": (tuple(cache[layer][name].shape[1:]), np.dtype(cache[layer][name].dtype))
-            for tag, layer, name in _layers(cache, layout, families, True)}
+    specs = ({}, {})
+    for tag, layer, name in _layers(cache, layout, families, True):
+        array = cache[layer][name]
+        specs[tag == "state"][f"{tag}/{layer}/{name}"] = (tuple(array.shape[1:]), np.dtype(array.dtype))
+    return specs
+
+
+def _padded_ids(pages: dict[str, np.ndarray], state_rows: np.ndarray | None) -> dict[str, np.ndarray]:
+    ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
+    if state_rows is not None:
+        ids["state"] = pad_to_power_of_two(state_rows)
+    return ids
 
 
 def gather_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_rows: np.ndarray | None = None):
@@ -57,13 +68,10 @@ def gather_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], state_
     recurrent layer out of the cache: ``({name: device array [n_padded, ...]}, {family or "state": n})``. The
     gather is dispatched, not waited for: a worker thread can move the result to the host while the next step
     runs (its output buffers are the gather's own, so donating the cache to that step is safe)."""
-    ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
-    with_state = state_rows is not None
-    if with_state:
-        ids["state"] = pad_to_power_of_two(state_rows)
-    layers = _layers(cache, layout, set(pages), with_state)
+    ids = _padded_ids(pages, state_rows)
+    layers = _layers(cache, layout, set(pages), state_rows is not None)
     counts = {family: len(p) for family, p in pages.items()}
-    if with_state:
+    if state_rows is not None:
         counts["state"] = len(state_rows)
     return _gather(cache, ids, layers=layers), counts
 
@@ -84,10 +92,6 @@ def write_rows(cache, layout: CacheLayout, pages: dict[str, np.ndarray], values:
     """Write ``values`` (as returned by :func:`read_rows`: rows in the order of ``pages[family]`` and
     ``state_rows``; host or device arrays, extra rows ignored) into those pages and rows; returns the updated
     cache (the old one is donated)."""
-    with_state = state_rows is not None
-    layers = _layers(cache, layout, set(pages), with_state)
-    ids = {family: pad_to_power_of_two(p) for family, p in pages.items()}
-    if with_state:
-        ids["state"] = pad_to_power_of_two(state_rows)
-    return _scatter(cache, ids, {f"{tag}/{layer}/{name}": values[f"{tag}/{layer}/{name}"] for tag, layer, name in layers},
-                    layers=layers)
+    layers = _layers(cache, layout, set(pages), state_rows is not None)
+    values = {f"{tag}/{layer}/{name}": values[f"{tag}/{layer}/{name}"] for tag, layer, name in layers}
+    return _scatter(cache, _padded_ids(pages, state_rows), values, layers=layers)
