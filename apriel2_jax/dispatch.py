@@ -12,7 +12,7 @@ from typing import Callable
 
 import jax
 
-from .ops import attention, conv, delta_rule, mamba, paged_attention
+from .ops import attention, conv, decode_fused, delta_rule, mamba, paged_attention
 
 _REFERENCE: dict[str, Callable] = {
     "attention": attention.attention,
@@ -33,6 +33,9 @@ _REFERENCE: dict[str, Callable] = {
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,
     "kda_decode_fused_slots": delta_rule.kda_decode_fused_slots,
+    "norm_qkv_rope_write": decode_fused.norm_qkv_rope_write,
+    "norm_gated_mlp": decode_fused.norm_gated_mlp,
+    "matmul_add": decode_fused.matmul_add,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..config import AttentionConfig
-from ..dispatch import op
+from ..dispatch import kernel, op
 from ..ops.paged_attention import page_slots, write_pages
 from ..ops.rope import apply_rope, rope_cos_sin
-from .layers import Linear
+from .layers import Linear, RMSNorm, residual_projection
 
 
 class Attention(nnx.Module):
@@ -50,6 +52,33 @@ class Attention(nnx.Module):
         pages = {"k": write_pages(pages["k"], k, slots), "v": write_pages(pages["v"], v, slots)}
         out = op("paged_attention")(q, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size)
         return self.o_proj(out.reshape(rows, length, cfg.heads * cfg.head_size)), pages
+
+    def fused_decode(self, norm) -> Callable | None:
+        """The fused decode kernel for this layer and its input norm (``ops.decode_fused.norm_qkv_rope_write``),
+        or None where the chain must run unfused: no kernel on this backend, biases, or a LayerNorm."""
+        fused = kernel("norm_qkv_rope_write")
+        if fused is None or not isinstance(norm, RMSNorm):
+            return None
+        if any(p.bias is not None for p in (self.q_proj, self.k_proj, self.v_proj)):
+            return None
+        return fused
+
+    def paged_decode_residual(self, fused, x: jax.Array, norm: RMSNorm, batch, pages: dict[str, jax.Array]):
+        """Engine decode (one token per row) from the residual stream ``x`` [S, 1, D]: the input norm, Q/K/V,
+        RoPE and the page writes in one kernel, then paged attention, then the output projection added to ``x``.
+        Returns the new residual stream and the pages."""
+        cfg = self.cfg
+        rows = x.shape[0]
+        cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
+        table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
+        slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])[:, 0]
+        q, k_pages, v_pages = fused(
+            x[:, 0], norm.weight[...], norm.eps, self.q_proj.weight[...], self.k_proj.weight[...],
+            self.v_proj.weight[...], cos, sin, slots, pages["k"], pages["v"],
+        )
+        out = op("paged_attention")(q[:, None], k_pages, v_pages, table, first, batch.positions, cfg.window_size)
+        out = out.reshape(rows, cfg.heads * cfg.head_size)
+        return residual_projection(self.o_proj, out, x), {"k": k_pages, "v": v_pages}
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
         """``token_mask`` is accepted for a uniform mixer interface and not needed: right padding sits after every

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..dispatch import kernel
 from ..ops import norms
 
 
@@ -33,6 +34,15 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+def residual_projection(linear: Linear, x: jax.Array, residual: jax.Array) -> jax.Array:
+    """``residual + linear(x)`` for one-token rows (x [S, K], residual [S, 1, N]), as one kernel where the
+    backend has ``matmul_add`` and the projection is a plain local matmul (no bias, no tensor-parallel sum)."""
+    fused = kernel("matmul_add")
+    if fused is None or linear.bias is not None or linear.reduce_axis is not None:
+        return residual + linear(x)[:, None]
+    return fused(x, linear.weight[...], residual[:, 0])[:, None]
 
 
 class DepthwiseConv(nnx.Module):

@@ -6,8 +6,9 @@ import jax
 from flax import nnx
 
 from ..config import MLPConfig
+from ..dispatch import kernel
 from ..ops.norms import activation
-from .layers import Linear
+from .layers import Linear, RMSNorm, residual_projection
 
 
 class MLP(nnx.Module):
@@ -24,3 +25,15 @@ class MLP(nnx.Module):
         if self.gate_proj is not None:
             return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(activation(self.activation, self.up_proj(x)))
+
+    def decode_residual(self, x: jax.Array, norm) -> jax.Array | None:
+        """``x + mlp(norm(x))`` for one-token rows [S, 1, D] with the norm and gate/up projections in one kernel
+        and the down projection added to ``x`` in another; None where that kernel cannot run (no kernel on this
+        backend, a plain MLP, biases, a LayerNorm)."""
+        fused = kernel("norm_gated_mlp")
+        if fused is None or self.gate_proj is None or not isinstance(norm, RMSNorm) or self.up_proj.bias is not None:
+            return None
+        hidden = fused(
+            x[:, 0], norm.weight[...], norm.eps, self.gate_proj.weight[...], self.up_proj.weight[...], self.activation
+        )
+        return residual_projection(self.down_proj, hidden, x)

@@ -43,6 +43,11 @@ class Block(nnx.Module):
     def paged(self, x: jax.Array, batch: PagedBatch, mixer_name: str | None, cache: dict):
         """Engine path: ``cache`` is this layer's page pool (attention) or state-slot pool (recurrent)."""
         mixer = active(self.mixer, mixer_name)
+        if x.shape[1] == 1 and isinstance(mixer, Attention):
+            fused = mixer.fused_decode(self.input_layernorm)
+            if fused is not None:  # the decode chain in fused kernels (ops.decode_fused)
+                x, cache = mixer.paged_decode_residual(fused, x, self.input_layernorm, batch, cache)
+                return self._mlp_residual(x), cache
         h = self.input_layernorm(x)
         if isinstance(mixer, Attention):
             mixed, cache = mixer.paged(h, batch, cache)
@@ -58,7 +63,13 @@ class Block(nnx.Module):
         return self._finish(x, mixed), cache
 
     def _finish(self, x: jax.Array, mixed: jax.Array) -> jax.Array:
-        x = x + mixed
+        return self._mlp_residual(x + mixed)
+
+    def _mlp_residual(self, x: jax.Array) -> jax.Array:
+        if x.shape[1] == 1:
+            out = self.mlp.decode_residual(x, self.post_attention_layernorm)
+            if out is not None:
+                return out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

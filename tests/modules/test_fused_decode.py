@@ -1,0 +1,63 @@
+"""The modules' fused decode path (``ops.decode_fused`` chains, taken where ``dispatch.kernel`` finds a kernel): with
+the jnp chains registered as this backend's kernels, the engine runs that path on CPU and must still reproduce
+every golden case's greedy tokens, for every placement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from apriel2_jax import dispatch
+from apriel2_jax.engine.llm import LLM
+from apriel2_jax.engine.sampling import SamplingParams
+from apriel2_jax.engine.step import Buckets
+from apriel2_jax.modules.attention import Attention
+from apriel2_jax.modules.mixers import active
+from apriel2_jax.ops import decode_fused
+from apriel2_jax.placement import resolve_placement
+from tests.conftest import golden_cases
+from tests.helpers import golden_model
+
+FUSED = ("norm_qkv_rope_write", "norm_gated_mlp", "matmul_add")
+
+
+@pytest.fixture
+def fused_chains_as_kernels(monkeypatch):
+    """Register the jnp chains as CPU kernels for the test; count the calls that trace them."""
+    calls = dict.fromkeys(FUSED, 0)
+
+    def counted(name):
+        def fn(*args):
+            calls[name] += 1
+            return getattr(decode_fused, name)(*args)
+        return fn
+
+    kernels = dict(dispatch._KERNELS)
+    kernels.update({(name, "cpu"): counted(name) for name in FUSED})
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    return calls
+
+
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, fused_chains_as_kernels):
+    case, model, _ = golden_model(case_name)
+    llm = LLM(model=model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8,
+              max_prefill_rows=2, page_size=4, cache_bytes=4 * 2**20, warm_up=False, log=lambda msg: None,
+              buckets=Buckets((2,), (2,), (8,)), placements=case.placements)
+    prompts = [[int(t) for t in case.input_ids[r, : case.prompt_len]] for r in (0, 1)]
+    for name in case.placements:
+        llm.set_placement(name)
+        outputs = llm.generate(prompts, SamplingParams.greedy(max_new_tokens=8, ignore_eos=True))
+        np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids[name],
+                                      err_msg=f"{case_name}/{name}")
+    # Every block's MLP took the fused chain (gated MLPs in every golden case); attention layers took theirs.
+    assert fused_chains_as_kernels["norm_gated_mlp"] > 0
+    assert fused_chains_as_kernels["matmul_add"] >= fused_chains_as_kernels["norm_gated_mlp"]
+    # Attention layers without biases took the fused Q/K/V chain; those with biases keep the unfused one.
+    plain_attention = any(
+        isinstance(mixer, Attention) and mixer.q_proj.bias is None
+        for name in case.placements
+        for block, mixer_name in zip(model.model.decoder.blocks, resolve_placement(model.config, name, case.placements))
+        for mixer in [active(block.mixer, mixer_name)]
+    )
+    assert (fused_chains_as_kernels["norm_qkv_rope_write"] > 0) == plain_attention
