@@ -8,7 +8,9 @@ For each placement: random weights of the config's geometry, pruned to the place
 ``random_model``), an ``LLM`` served by uvicorn in this process on 127.0.0.1, and an async HTTP client (httpx)
 that sends ``--requests`` streamed completions (random token-id prompts of ``--prompt-len`` tokens, exactly
 ``--output-len`` greedy tokens each) with exponential gaps at each rate (``inf``: all at once). Before the sweep the
-engine compiles every step shape (``--warm-up all``) and a warm-up round runs the workload once. Reported per rate, from the client's side:
+engine compiles the step shapes the workload can run (``--warm-up workload``: every decode batch, and prefill steps of
+any row count at the prompts' width) and a warm-up round runs the workload once; each row reports the steps that
+still compiled during it (``compiled_steps``, 0 for a clean row). Reported per rate, from the client's side:
 request throughput, output tokens/s, p50/p99 time to first token and p50/p99 inter-token latency (the gap
 between two chunks spread over the tokens of the later chunk: a decode dispatch brings several at once).
 ``--url`` drives a server that is already running (``apriel2-serve``) instead. ``--json PATH`` appends the rows.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import math
@@ -67,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=None, help="default: the engine's")
     g.add_argument("--decode-steps", type=int, default=None, help="default: the engine's")
     g.add_argument("--cache-memory-fraction", type=float, default=None, help="default: the engine's")
-    g.add_argument("--warm-up", default="all", choices=("none", "few", "all"),
-                   help="step shapes the engine compiles before serving (default all: none compiles mid-sweep)")
+    g.add_argument("--warm-up", default="workload", choices=("none", "few", "workload", "all"),
+                   help="step shapes the engine compiles before serving (default workload: every decode batch and "
+                        "every prefill step of --prompt-len prompts, so none compiles mid-sweep; all: every shape)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     g.add_argument("--max-queued-requests", type=int, default=None, help="default: --requests")
     ap.add_argument("--url", default=None,
@@ -147,7 +151,23 @@ def workload(args, vocab_size: int, rng: np.random.Generator) -> list[list[int]]
     return [[int(t) for t in rng.integers(3, vocab_size, size=args.prompt_len)] for _ in range(args.requests)]
 
 
-def sweep(args, url: str, model: str, vocab_size: int, label: dict) -> list[dict]:
+def workload_shapes(llm, prompt_len: int) -> list[tuple[int, int]]:
+    """The step shapes serving ``prompt_len``-token prompts can run: every decode batch, and prefill steps of any
+    row count at the width a whole prompt (or a chunk of it) takes."""
+    buckets = llm.buckets
+    shapes = {(rows, 1) for rows in buckets.decode_rows}
+    width = min(prompt_len, llm.scheduler_config.max_chunk)
+    for rows in buckets.prefill_rows:
+        try:
+            shapes.add(buckets.pick("prefill", rows, width))
+        except ValueError:  # more rows of this width than the token budget holds
+            pass
+    return sorted(shapes)
+
+
+def sweep(args, url: str, model: str, vocab_size: int, label: dict, compilations=None) -> list[dict]:
+    """``compilations``: a callable giving the engine's count of compiled steps (in-process servers), so each row
+    says how many compiled during it."""
     rng = np.random.default_rng(args.seed)
     # Warm-up: compile the prefill and decode shapes of this workload (a full batch, then stragglers).
     warm = workload(args, vocab_size, rng)[: max(1, min(args.requests, 2 * (args.max_num_seqs or 64)))]
@@ -158,7 +178,10 @@ def sweep(args, url: str, model: str, vocab_size: int, label: dict) -> list[dict
     rows = []
     for rate in args.rates:
         row = dict(label)
+        before = compilations() if compilations else None
         row.update(asyncio.run(run_rate(url, model, workload(args, vocab_size, rng), args.output_len, rate, rng)))
+        if compilations:
+            row["compiled_steps"] = compilations() - before
         print(json.dumps(row), file=sys.stderr)
         rows.append(row)
     return rows
@@ -190,24 +213,31 @@ def serve_placement(args, raw: dict, named: dict, name: str | None) -> list[dict
     page = args.page_size or 16
     max_len = -(-(args.prompt_len + args.output_len + 1) // page) * page
     # The thinned model has one mixer per layer: its default placement is the one asked for.
-    llm = LLM(model=model, max_model_len=max_len, enable_prefix_caching=args.prefix_caching, warm_up=args.warm_up,
-              **kwargs)
+    llm = LLM(model=model, max_model_len=max_len, enable_prefix_caching=args.prefix_caching,
+              warm_up="few" if args.warm_up == "workload" else args.warm_up, **kwargs)
+    if args.warm_up == "workload":
+        llm.compile_steps(workload_shapes(llm, args.prompt_len))
     app = create_app(llm, model_name="bench", max_queued_requests=args.max_queued_requests or args.requests * 2)
     label = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
              "config": os.path.basename(os.path.normpath(args.config_dir)), "placement": name or "default",
              "tp": args.tensor_parallel, "params_b": round(params / 1e9, 2), "prompt_len": args.prompt_len,
              "output_len": args.output_len, "max_num_seqs": llm.scheduler_config.max_num_seqs}
     with BackgroundServer(app) as server:
-        rows = sweep(args, server.url, "bench", config.vocab_size, label)
+        rows = sweep(args, server.url, "bench", config.vocab_size, label,
+                     functools.partial(getattr, llm.runner, "compilations"))
         metrics = httpx.get(server.url + "/metrics").text
     preempt = [line for line in metrics.splitlines() if line.startswith("apriel2_engine_preemptions_total")]
     print(f"{name}: {preempt[0] if preempt else ''}", file=sys.stderr)
-    del llm, model, app
+    # The server object holds the app, which holds the engine and its caches: drop every reference before the
+    # next placement allocates its own.
+    del llm, model, app, server
     gc.collect()
     return rows
 
 
 def main(argv=None) -> int:
+    from apriel2_jax.benchmarking import append_jsonl, print_rows
+
     args = build_parser().parse_args(argv)
     if args.requests < 1 or args.prompt_len < 1 or args.output_len < 1:
         print("--requests, --prompt-len and --output-len must be >= 1", file=sys.stderr)
@@ -227,12 +257,13 @@ def main(argv=None) -> int:
         named = load_placements(args.config_dir) if os.path.exists(
             os.path.join(args.config_dir, "placements.json")) else {}
         for name in args.placement:
-            rows += serve_placement(args, raw, named, name)
-    from apriel2_jax.benchmarking import append_jsonl, print_rows
-
-    print_rows(rows)
-    if args.json:
+            placement_rows = serve_placement(args, raw, named, name)
+            if args.json:  # each placement as it finishes: a later one failing loses nothing
+                append_jsonl(args.json, placement_rows)
+            rows += placement_rows
+    if args.url and args.json:
         append_jsonl(args.json, rows)
+    print_rows(rows)
     return 0
 
 

@@ -297,6 +297,18 @@ class LLM:
                 both_samplers=self._warm_up == "all",
             )
 
+    def compile_steps(self, shapes: Sequence[tuple[int, int]], both_samplers: bool = False) -> None:
+        """Compile these step shapes (``(rows, tokens)``; tokens 1 for decode) now instead of on first use, e.g.
+        the shapes a known workload will run. Shapes outside the engine's buckets raise ValueError."""
+        known = set(self.buckets.shapes())
+        unknown = [shape for shape in shapes if tuple(shape) not in known]
+        if unknown:
+            raise ValueError(f"step shapes {unknown} are not among the engine's buckets {sorted(known)}")
+        self._cache = self.runner.warm_up(
+            self._cache, [tuple(s) for s in shapes], self.cache_manager, self.placement, self.decode_steps, self.log,
+            both_samplers=both_samplers,
+        )
+
     def _warm_up_shapes(self) -> list[tuple[int, int]]:
         if self._warm_up == "all":
             return self.buckets.shapes()

@@ -205,6 +205,17 @@ def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
         lines[-1]] and "prefill rows=4 tokens=8" in lines[-1]
 
 
+def test_compile_steps_compiles_the_shapes_asked_for_and_rejects_others(hybrid):
+    case, model, _ = hybrid
+    llm = _engine(hybrid, step_runner=StepRunner(model), warm_up="none", buckets=Buckets((1, 2, 4), (4,), (8,)))
+    llm.compile_steps([(4, 8), (1, 1)])
+    assert llm.runner.compilations == 2
+    llm.generate(_prompts(case)[:1], SamplingParams.greedy(max_new_tokens=1))  # prefill (4, 8) only
+    assert llm.runner.compilations == 2
+    with pytest.raises(ValueError, match=r"\(3, 1\)"):
+        llm.compile_steps([(3, 1)])
+
+
 def test_default_buckets_never_pad_a_prefill_step_past_the_token_budget():
     buckets = Buckets.default(max_num_seqs=64, max_prefill_rows=64, max_chunk=8192, max_tokens=8192)
     shapes = buckets.prefill_shapes()
