@@ -4,7 +4,7 @@
     python scripts/bench_serve.py ../shared/configs/superapriel-15b-shaped --placement all-attention a12-g1-k11 \
         --rates 1,4,16,inf --requests 256 --prompt-len 1024 --output-len 128
 
-For each placement: random weights of the config's geometry, pruned to the placement (``bench_generate.py``'s
+For each placement (a process of its own when several are given): random weights of the config's geometry, pruned to the placement (``bench_generate.py``'s
 ``random_model``), an ``LLM`` served by uvicorn in this process on 127.0.0.1, and an async HTTP client (httpx)
 that sends ``--requests`` streamed completions (random token-id prompts of ``--prompt-len`` tokens, exactly
 ``--output-len`` greedy tokens each) with exponential gaps at each rate (``inf``: all at once). Before the sweep the
@@ -235,6 +235,35 @@ def serve_placement(args, raw: dict, named: dict, name: str | None) -> list[dict
     return rows
 
 
+def _each_placement_in_its_own_process(argv: list[str], args) -> list[dict]:
+    """One child process per placement: a process's device memory (the engine's caches take most of it) is only
+    certain to be free when the process ends. Each child appends its rows to the JSONL (``--json``, else a
+    temporary file) as it finishes, so a later placement failing loses nothing."""
+    import subprocess
+    import tempfile
+
+    rest, skip = [], False
+    for arg in argv:  # the arguments without the placement list and the JSONL path
+        if arg in ("--placement", "--json"):
+            skip = True
+            continue
+        if skip and not arg.startswith("--"):
+            continue
+        skip = False
+        rest.append(arg)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = args.json or os.path.join(scratch, "rows.jsonl")
+        start = os.path.getsize(path) if os.path.exists(path) else 0
+        for name in args.placement:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--placement", name,
+                                   "--json", path])
+            if done.returncode:
+                print(f"placement {name}: the benchmark process exited with {done.returncode}", file=sys.stderr)
+        with open(path) as f:
+            f.seek(start)
+            return [json.loads(line) for line in f if line.strip()]
+
+
 def main(argv=None) -> int:
     from apriel2_jax.benchmarking import append_jsonl, print_rows
 
@@ -256,11 +285,12 @@ def main(argv=None) -> int:
             raw = json.load(f)
         named = load_placements(args.config_dir) if os.path.exists(
             os.path.join(args.config_dir, "placements.json")) else {}
-        for name in args.placement:
-            placement_rows = serve_placement(args, raw, named, name)
-            if args.json:  # each placement as it finishes: a later one failing loses nothing
-                append_jsonl(args.json, placement_rows)
-            rows += placement_rows
+        if len(args.placement) == 1:
+            rows = serve_placement(args, raw, named, args.placement[0])
+            if args.json:
+                append_jsonl(args.json, rows)
+        else:
+            rows = _each_placement_in_its_own_process(argv if argv is not None else sys.argv[1:], args)
     if args.url and args.json:
         append_jsonl(args.json, rows)
     print_rows(rows)
