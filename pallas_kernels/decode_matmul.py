@@ -42,14 +42,12 @@ from jax.experimental.pallas import triton as pltriton
 from apriel2_jax.ops import decode_fused as reference
 from apriel2_jax.ops.norms import _ACTIVATIONS
 
+from .paged_attention_decode import _next_power_of_two
+
 F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TILE = 16  # output features per program (per RoPE half for Q/K): the dot's minimum N
 _MAX_ROWS = 128  # rows of one step the kernels take as one tile (decode buckets stay below)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _block_k(k_dim: int, block_k: int | None) -> tuple[int, bool]:
@@ -94,30 +92,36 @@ def _row_index(rows: int, rows_p: int):
     return jnp.minimum(r, rows - 1), r < rows  # in-bounds addresses, and which rows are real
 
 
-def _norm_scale(x_ref, eps, *, rows, rows_p, k_dim, block_k, masked, **_):
-    """rsqrt(mean(x^2) + eps) per row in fp32, [rows_p]."""
+def _x_block(x_ref, i, *, rows, rows_p, k_dim, block_k, masked, **_):
+    """Input block ``i`` of every row: ([rows_p, block_k] with zeros past the real rows and the input width,
+    its columns, which columns are inside the width)."""
     x_rows, row_ok = _row_index(rows, rows_p)
+    cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    col_ok = cols < k_dim
+    mask = row_ok[:, None] & col_ok[None, :] if masked else row_ok[:, None]
+    return pltriton.load(x_ref.at[x_rows[:, None], cols[None, :]], mask=mask, other=0), cols, col_ok
+
+
+def _norm_scale(x_ref, eps, **cfg):
+    """rsqrt(mean(x^2) + eps) per row in fp32, [rows_p]."""
+    rows_p, k_dim, block_k = cfg["rows_p"], cfg["k_dim"], cfg["block_k"]
 
     def body(i, ss):
-        cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        mask = row_ok[:, None] & (cols < k_dim)[None, :] if masked else row_ok[:, None]
-        x = pltriton.load(x_ref.at[x_rows[:, None], cols[None, :]], mask=mask, other=0).astype(F32)
+        x = _x_block(x_ref, i, **cfg)[0].astype(F32)
         return ss + jnp.sum(x * x, axis=1)
 
     ss = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, jnp.zeros((rows_p,), F32))
     return jax.lax.rsqrt(ss / k_dim + eps)
 
 
-def _project(x_ref, tiles, *, norm=None, rows, rows_p, k_dim, block_k, masked, precision, dtype, **_):
+def _project(x_ref, tiles, *, norm=None, **cfg):
     """fp32 accumulators [rows_p, len(w_rows)], one per ``(w_ref, w_rows)`` of ``tiles``: the rows' activations
     (RMS-normalised when ``norm = (scale, norm_ref)``) times those weight rows, transposed."""
-    x_rows, row_ok = _row_index(rows, rows_p)
+    rows_p, k_dim, block_k, masked = cfg["rows_p"], cfg["k_dim"], cfg["block_k"], cfg["masked"]
+    precision, dtype = cfg["precision"], cfg["dtype"]
 
     def body(i, accs):
-        cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        col_ok = cols < k_dim
-        x_mask = row_ok[:, None] & col_ok[None, :] if masked else row_ok[:, None]
-        x = pltriton.load(x_ref.at[x_rows[:, None], cols[None, :]], mask=x_mask, other=0)
+        x, cols, col_ok = _x_block(x_ref, i, **cfg)
         if norm is not None:
             scale, norm_ref = norm
             if masked:
@@ -144,7 +148,7 @@ def _store_tile(o_ref, value, *, feats, n_dim, interpret, rows, rows_p, **_):
     """Store a [rows_p, block_n] output tile at ``o_ref[rows, feats]`` for the real rows and features. On the GPU
     masked lanes are never written (their addresses are clamped in bounds). The interpreter instead writes old
     contents back at masked lanes in one scatter, where a duplicate of a real address could win, so there the
-    output has spare rows and columns (see ``_out_shape``) and masked lanes address those."""
+    output has spare rows and columns (see ``_feature_tiled_call``) and masked lanes address those."""
     r = jnp.arange(rows_p, dtype=jnp.int32)
     row_ok = r < rows
     ok = row_ok[:, None] & (feats < n_dim)[None, :]
@@ -155,21 +159,37 @@ def _store_tile(o_ref, value, *, feats, n_dim, interpret, rows, rows_p, **_):
     pltriton.store(o_ref.at[target_rows[:, None], target_feats[None, :]], value.astype(o_ref.dtype), mask=ok)
 
 
-def _out_shape(rows: int, n_dim: int, cfg: dict, interpret: bool) -> tuple[int, int]:
-    if not interpret:
-        return rows, n_dim
-    return rows + cfg["rows_p"], pl.cdiv(n_dim, cfg["block_n"]) * cfg["block_n"]
+def _features(cfg: dict, n_dim: int):
+    """This program's output features, and the same clamped inside ``n_dim`` (addresses for loads)."""
+    feats = pl.program_id(0) * cfg["block_n"] + jnp.arange(cfg["block_n"], dtype=jnp.int32)
+    return feats, jnp.minimum(feats, n_dim - 1)
+
+
+def _feature_tiled_call(kernel, inputs, *, x, n_dim, cfg, name, num_warps, num_stages, interpret):
+    """One program per ``block_n`` output features of an [S, n_dim] output in x's dtype (the interpreter's
+    output has the spare rows and columns ``_store_tile`` writes masked lanes to, cut off here)."""
+    rows = x.shape[0]
+    shape = (rows, n_dim)
+    if interpret:
+        shape = (rows + cfg["rows_p"], pl.cdiv(n_dim, cfg["block_n"]) * cfg["block_n"])
+    out = pl.pallas_call(
+        functools.partial(kernel, n_dim=n_dim, interpret=interpret, cfg=cfg),
+        grid=(pl.cdiv(n_dim, cfg["block_n"]),),
+        out_shape=jax.ShapeDtypeStruct(shape, x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"{name}_k{x.shape[1]}",
+    )(*inputs)
+    return out[:rows, :n_dim] if interpret else out
 
 
 # ---------------------------------------------------------------------------------------------- matmul_add
 
 
 def _matmul_add_kernel(x_ref, w_ref, res_ref, o_ref, *, n_dim, interpret, cfg):
-    rows, rows_p = cfg["rows"], cfg["rows_p"]
-    feats = pl.program_id(0) * cfg["block_n"] + jnp.arange(cfg["block_n"], dtype=jnp.int32)
-    feats_in = jnp.minimum(feats, n_dim - 1)
+    feats, feats_in = _features(cfg, n_dim)
     (acc,) = _project(x_ref, ((w_ref, feats_in),), **cfg)
-    x_rows, row_ok = _row_index(rows, rows_p)
+    x_rows, row_ok = _row_index(cfg["rows"], cfg["rows_p"])
     res = pltriton.load(res_ref.at[x_rows[:, None], feats_in[None, :]], mask=row_ok[:, None], other=0)
     out = (res.astype(F32) + acc.astype(cfg["dtype"]).astype(F32)).astype(cfg["dtype"])
     _store_tile(o_ref, out, feats=feats, n_dim=n_dim, interpret=interpret, **cfg)
@@ -189,18 +209,10 @@ def matmul_add_kernel(x, weight, residual, *, block_k: int | None = None, block_
     reason = matmul_add_unsupported(x, weight, residual)
     if reason is not None:
         raise ValueError(f"matmul_add: {reason}")
-    cfg = _config(x, block_k, block_n)
-    n_dim = weight.shape[0]
-    rows = x.shape[0]
-    out = pl.pallas_call(
-        functools.partial(_matmul_add_kernel, n_dim=n_dim, interpret=interpret, cfg=cfg),
-        grid=(pl.cdiv(n_dim, block_n),),
-        out_shape=jax.ShapeDtypeStruct(_out_shape(rows, n_dim, cfg, interpret), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"matmul_add_k{x.shape[1]}",
-    )(x, weight, residual)
-    return out[:rows, :n_dim] if interpret else out
+    return _feature_tiled_call(
+        _matmul_add_kernel, (x, weight, residual), x=x, n_dim=weight.shape[0], cfg=_config(x, block_k, block_n),
+        name="matmul_add", num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
 
 
 def matmul_add(x, weight, residual):
@@ -215,8 +227,7 @@ def matmul_add(x, weight, residual):
 
 def _gated_mlp_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, act, n_dim, interpret, cfg):
     dtype = cfg["dtype"]
-    feats = pl.program_id(0) * cfg["block_n"] + jnp.arange(cfg["block_n"], dtype=jnp.int32)
-    feats_in = jnp.minimum(feats, n_dim - 1)
+    feats, feats_in = _features(cfg, n_dim)
     scale = _norm_scale(x_ref, eps, **cfg)
     gate, up = _project(x_ref, ((wg_ref, feats_in), (wu_ref, feats_in)), norm=(scale, nw_ref), **cfg)
     activated = _ACTIVATIONS[act](gate.astype(dtype).astype(F32)).astype(dtype)
@@ -246,18 +257,11 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, block_k: in
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
-    cfg = _config(x, block_k, block_n)
-    n_dim = w_gate.shape[0]
-    rows = x.shape[0]
-    out = pl.pallas_call(
-        functools.partial(_gated_mlp_kernel, eps=eps, act=act, n_dim=n_dim, interpret=interpret, cfg=cfg),
-        grid=(pl.cdiv(n_dim, block_n),),
-        out_shape=jax.ShapeDtypeStruct(_out_shape(rows, n_dim, cfg, interpret), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"norm_gated_mlp_k{x.shape[1]}",
-    )(x, norm_weight, w_gate, w_up)
-    return out[:rows, :n_dim] if interpret else out
+    return _feature_tiled_call(
+        functools.partial(_gated_mlp_kernel, eps=eps, act=act), (x, norm_weight, w_gate, w_up), x=x,
+        n_dim=w_gate.shape[0], cfg=_config(x, block_k, block_n), name="norm_gated_mlp", num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
 
 
 def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import gc
 import json
 import math
 import os
@@ -228,10 +227,6 @@ def serve_placement(args, raw: dict, named: dict, name: str | None) -> list[dict
         metrics = httpx.get(server.url + "/metrics").text
     preempt = [line for line in metrics.splitlines() if line.startswith("apriel2_engine_preemptions_total")]
     print(f"{name}: {preempt[0] if preempt else ''}", file=sys.stderr)
-    # The server object holds the app, which holds the engine and its caches: drop every reference before the
-    # next placement allocates its own.
-    del llm, model, app, server
-    gc.collect()
     return rows
 
 

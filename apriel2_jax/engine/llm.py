@@ -292,10 +292,7 @@ class LLM:
         if self.kv_connector is not None:
             self.kv_connector.configure(plan.page_size, *transfer.row_specs(self._cache, self.layout))
         if self._warm_up != "none":
-            self._cache = self.runner.warm_up(
-                self._cache, self._warm_up_shapes(), self.cache_manager, resolved, self.decode_steps, self.log,
-                both_samplers=self._warm_up == "all",
-            )
+            self.compile_steps(self._warm_up_shapes(), both_samplers=self._warm_up == "all")
 
     def compile_steps(self, shapes: Sequence[tuple[int, int]], both_samplers: bool = False) -> None:
         """Compile these step shapes (``(rows, tokens)``; tokens 1 for decode) now instead of on first use, e.g.
