@@ -26,11 +26,9 @@ is strong (Apriel2's KDA gate has no lower bound). Its intra stage:
 
 - ``_kda_prepare_kernel``: everything elementwise, once per (chunk, head): the chunk-local cumsum G, the q/k
   norm scales, G_last and the decayed operands q e^G, k e^(G_last - G), beta k e^G.
-- ``_kda_products_kernel``, one program per 16-token row sub-block: the decayed products kk and qk, with the
-  midpoint of the sub-block's decay as reference point: columns of earlier sub-blocks get factors <= 1, its own
-  columns factors within exp(+-span / 2), where span is the largest decay the sub-block covers in any channel. A
-  chunk with span above ``DIAG_SPAN_LIMIT`` is flagged, and ``_kda_exact_kernel`` recomputes its kk and qk with
-  every exponent <= 0.
+- ``_kda_products_kernel``, one program per 16-token row sub-block: the decayed products kk and qk, one product
+  for the columns of earlier sub-blocks (reference point just before the sub-block: every factor <= 1) and the
+  sub-block's own columns one at a time, elementwise, so no factor exceeds 1 whatever the decay.
 - ``_kda_inverse_kernel``: (I + beta kk)^-1 from 16x16 blocks (``_block_unit_lower_inverse``), at one warp.
 - ``_kda_apply_kernel``, one program per 64-wide column slice: w and u, one product each.
 Small kernels keep registers few and programs many: one kernel doing all of it held 255 registers (12.5%
@@ -62,9 +60,6 @@ from jax.experimental.pallas import triton as pltriton
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16
-# KDA sub-blocks whose decay spans at most this many nats (in every channel) take the factored form of
-# ``_kda_products_kernel``, with factors within exp(+-20); a chunk with a stronger one, ``_kda_exact_kernel``.
-DIAG_SPAN_LIMIT = 40.0
 # The dispatched configuration for many (sequence, head) pairs: see ``dispatch_config``.
 FUSED_CONFIG = dict(block_v=(128, 128), num_warps=(4, 8, 4), num_stages=(1, 2, 2), fuse_output=True)
 
@@ -190,55 +185,65 @@ def _kda_prepare_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, beta_ref
         kb_ref[head, chunk, :, cs] = (k * decay * beta[:, None]).astype(out)
 
 
-def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, kk_ref, qk_ref, flag_ref, *,
-                         rep, precision, span_limit):
+def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, kk_ref, qk_ref, *,
+                         rep, precision):
     """KDA's decayed products for one 16-row sub-block r of a chunk, over (r, chunk, head):
     kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
     L2-normalized, for the sub-block's rows t. The per-channel decay cannot be factored over a whole chunk
-    (exp(-G) overflows under strong decay; Apriel2's KDA gate has no lower bound), so each sub-block takes its
-    own reference point, the midpoint of its decay: columns of earlier sub-blocks get factors <= 1, its own
-    columns factors within exp(+-span / 2), span being the decay the sub-block covers in a channel. A sub-block
-    with span above ``span_limit`` in any channel is flagged; ``_kda_exact_kernel`` then redoes its chunk.
+    (exp(-G) overflows under strong decay; Apriel2's KDA gate has no lower bound), so:
+
+    - columns of earlier sub-blocks take one product with the decay just before the sub-block as reference
+      point b: rows scaled by exp(G_t - b) <= 1, columns by exp(b - G_s) <= 1. Nothing overflows, and where a
+      factor underflows the product it belongs to is below exp(-87) anyway.
+    - the sub-block's own 16 columns go one at a time, elementwise in fp32: exp(G_t - G_s) per channel, never
+      above 1 where it counts (t >= s). A single reference point there (e.g. the sub-block's midpoint) needs
+      factors up to exp(span / 2) and fails once a channel decays by more than ~170 nats over 16 tokens; with
+      the KDA gate's usual init (exp(A_log) up to 16) a 40-nat bound sent most chunks of random-weight models to
+      a slow exact kernel (H200: 10.8 of 28 ms in a 0.5B a12-g1-k11 prefill step).
 
     A program per sub-block keeps its row tiles at 16 rows, loaded straight from the buffer, and its registers
     few: one kernel for the whole chunk held 255 registers (12.5% occupancy) and multiplied 64-row tiles of which
-    only 16 rows were non-zero (Nsight Compute, H100). KDA B=1 T=8192 H=16 on an H100: 235 µs with the chunks
-    fastest in the grid, 186 with the sub-blocks fastest (a chunk's G and k are read from L2 by its four
-    programs, not from HBM), 151 with the first two sub-blocks on half the columns."""
+    only 16 rows were non-zero (Nsight Compute, H100). The sub-blocks of a chunk run side by side in the grid (a
+    chunk's G and k are read from L2 by its four programs, not from HBM), and the first two sub-blocks multiply
+    only the first half of the columns."""
     r, chunk, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # sub-blocks of a chunk run together
     key_head = head // rep
     size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
     bs = min(64, key_dim)  # 32-wide slices measured no faster (370 vs 366 µs, H100)
     _, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
-    rows = r * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    sub = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    rows = r * SUB + sub
     block_rows = pl.ds(r * SUB, SUB)
 
     def products(width):  # over the columns [0, width): every column that the sub-block's rows see
         t = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-        reach = (t < (r + 1) * SUB)[:, None]
+        earlier = (t < r * SUB)[:, None]
         kk = jnp.zeros((SUB, width), F32)
         qk = jnp.zeros((SUB, width), F32)
-        span = 0.0
         for c0 in range(0, key_dim, bs):
             cs = pl.ds(c0, bs)
             G = G_ref[head, chunk, pl.ds(0, width), cs]
             G_rows = G_ref[head, chunk, block_rows, cs]
-            # G just before the sub-block (0 for the first) and at its last row
+            # G just before the sub-block (0 for the first)
             base = jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
-            end = G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs]
             k = _f32(load(k_ref, key_head, c0, bs, t))
             k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
             q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
-            span = jnp.maximum(span, jnp.max(base - end))  # the sub-block's own decay, >= 0
-            mid = 0.5 * (base + end)  # [1, bs]
-            row_decay = jnp.exp(G_rows - mid)
-            col = k * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
+            row_decay = jnp.exp(G_rows - base)
+            col = k * jnp.exp(jnp.where(earlier, base - G, -jnp.inf))
             kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
             qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
+            for o in range(SUB):  # the sub-block's own columns s = r * SUB + o
+                pick = (sub == o)[:, None]
+                k_s = jnp.sum(jnp.where(pick, k_rows, 0.0), axis=0)[None, :]
+                G_s = jnp.sum(jnp.where(pick, G_rows, 0.0), axis=0)[None, :]
+                kd = k_s * jnp.exp(jnp.minimum(G_rows - G_s, 0.0))  # rows t < s are masked below
+                at = (t == r * SUB + o)[None, :]
+                kk += jnp.where(at, jnp.sum(k_rows * kd, axis=1)[:, None], 0.0)
+                qk += jnp.where(at, jnp.sum(q_rows * kd, axis=1)[:, None], 0.0)
         k_scale = scales_ref[head, chunk, 1, pl.ds(0, width)]
         k_scale_rows = scales_ref[head, chunk, 1, block_rows]
         q_scale_rows = scales_ref[head, chunk, 0, block_rows]
-        flag_ref[head, chunk, r] = (span > span_limit).astype(jnp.int32)
         below = rows[:, None] - t[None, :]
         # kk's columns from ``width`` on stay unwritten: its only reader, the inverse kernel, reads the 16x16 blocks
         # on and below the diagonal. A reader of whole kk tiles would need them zeroed here first.
@@ -253,64 +258,6 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
     half = size // 2
     pl.when(r < half // SUB)(lambda: products(half))
     pl.when(r >= half // SUB)(lambda: products(size))
-
-
-def _kda_exact_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, flag_ref, kk_in_ref, qk_in_ref, kk_ref, qk_ref,
-                      *, rep, precision):
-    """The flagged chunks' kk and qk again, with every exponent <= 0 (strong decay; outputs aliased onto
-    ``_kda_products_kernel``'s). Off-diagonal sub-blocks use the reference point at the row sub-block's first
-    token; the diagonal ones go one offset at a time, with the k row and cumulative decay of column
-    s = SUB * (t // SUB) + o re-gathered from the flat buffer. Whole tiles: slow (register spills), and only taken
-    for decays beyond the span limit."""
-    del kk_in_ref, qk_in_ref
-    chunk, head = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode cannot read them inside
-    flagged = jnp.max(flag_ref[head, chunk, :]) != 0
-
-    @pl.when(flagged)
-    def _():
-        key_head = head // rep
-        size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
-        t, _, _, load = _window(start_ref, lo_ref, hi_ref, chunk, size)
-        block = t // SUB
-        cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-        rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-        g = _f32(load(g_ref, head, 0, key_dim))
-        k = _f32(load(k_ref, key_head, 0, key_dim)) * _norm_scale(load, k_ref, key_head, key_dim)[:, None]
-        q = (_f32(load(q_ref, key_head, 0, key_dim))
-             * (_norm_scale(load, q_ref, key_head, key_dim) * key_dim**-0.5)[:, None])
-        # Cumulative decay from sub-block bases plus within-sub-block running sums, the same arithmetic the
-        # diagonal pass repeats on gathered rows, so G_t - G_s is exactly 0 at s = t.
-        base = jnp.zeros_like(g)
-        for r in range(SUB, size, SUB):
-            head_sum = jnp.sum(jnp.where((t < r)[:, None], g, 0.0), axis=0)
-            base = jnp.where((block == r // SUB)[:, None], head_sum[None, :], base)
-        running = base
-        G = base
-        for o in range(SUB):
-            running = running + _f32(load(g_ref, head, 0, key_dim, block * SUB + o))
-            G = jnp.where((t % SUB == o)[:, None], running, G)
-        kk = jnp.zeros((size, size), F32)
-        qk = jnp.zeros((size, size), F32)
-        for r in range(SUB, size, SUB):
-            g_at_r = jnp.sum(jnp.where((t == r)[:, None], G, 0.0), axis=0)  # [K]
-            in_rows = ((t >= r) & (t < r + SUB))[:, None]
-            row_decay = jnp.exp(jnp.minimum(G - g_at_r[None, :], 0.0))
-            col_decay = jnp.where((t < r)[:, None], jnp.exp(jnp.minimum(g_at_r[None, :] - G, 0.0)), 0.0)
-            kb = k * col_decay
-            kk += _dot(jnp.where(in_rows, k * row_decay, 0.0), kb, precision, trans_b=True)
-            qk += _dot(jnp.where(in_rows, q * row_decay, 0.0), kb, precision, trans_b=True)
-        running = base
-        for o in range(SUB):
-            s = block * SUB + o
-            running = running + _f32(load(g_ref, head, 0, key_dim, s))
-            k_s = _f32(load(k_ref, key_head, 0, key_dim, s))
-            k_s = k_s * jax.lax.rsqrt(jnp.sum(k_s * k_s, axis=1, keepdims=True) + 1e-6)
-            kd_s = k_s * jnp.exp(jnp.minimum(G - running, 0.0))
-            at_s = cols == s[:, None]
-            kk += jnp.where(at_s & (t > s)[:, None], jnp.sum(k * kd_s, axis=1)[:, None], 0.0)
-            qk += jnp.where(at_s & (t >= s)[:, None], jnp.sum(q * kd_s, axis=1)[:, None], 0.0)
-        kk_ref[head, chunk, :, :] = jnp.where(rows > cols, kk, 0.0)
-        qk_ref[head, chunk, :, :] = jnp.where(rows >= cols, qk, 0.0).astype(qk_ref.dtype)
 
 
 def _kda_inverse_kernel(start_ref, lo_ref, hi_ref, beta_ref, kk_ref, x_ref, *, precision):
@@ -521,13 +468,13 @@ def _params(dtype, num_warps, num_stages):
     return precision, pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
+def intra(table, q, k, v, g, beta, num_chunks, *, num_warps=4, num_stages=1,
           products_warps=4, inverse_warps=1, interpret=False):
     """The intra-chunk stage, reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk layout
     [H, num_chunks, C, .], and the chunk's total log decay. GDN: one kernel over (chunk, head). KDA: the prepare
-    kernel, the decayed products kk and qk (``_kda_products_kernel`` over sub-blocks and, for chunks it flags,
-    ``_kda_exact_kernel``), the inverse, then w and u per column slice (``_kda_apply_kernel``). ``num_warps`` and
-    ``num_stages`` apply to the GDN kernel and KDA's prepare, exact and apply kernels."""
+    kernel, the decayed products kk and qk (``_kda_products_kernel`` over sub-blocks), the inverse, then w and u
+    per column slice (``_kda_apply_kernel``). ``num_warps`` and ``num_stages`` apply to the GDN kernel and KDA's
+    prepare and apply kernels."""
     heads, value_dim = v.shape[1:]
     key_heads, key_dim = q.shape[1:]
     rep = heads // key_heads
@@ -550,16 +497,11 @@ def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, nu
         out_shape=(sds((heads, num_chunks, CHUNK, key_dim), F32), sds((heads, num_chunks, 2, CHUNK), F32),
                    per_key, per_key, per_key, sds((heads, num_chunks, key_dim), F32)),
         compiler_params=params, name="delta_rule_kda_prepare")(*table[:3], q, k, g, beta)
-    kk, qk, flag = call(
-        functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit),
-        grid=(CHUNK // SUB, num_chunks, heads),
-        out_shape=(square(F32), square(mm), sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
+    kk, qk = call(
+        functools.partial(_kda_products_kernel, rep=rep, precision=precision),
+        grid=(CHUNK // SUB, num_chunks, heads), out_shape=(square(F32), square(mm)),
         compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1),
         name="delta_rule_kda_products")(*table[:3], q, k, G, scales)
-    kk, qk = call(
-        functools.partial(_kda_exact_kernel, rep=rep, precision=precision),
-        grid=(num_chunks, heads), out_shape=(square(F32), square(mm)), input_output_aliases={7: 0, 8: 1},
-        compiler_params=params, name="delta_rule_kda_exact")(*table[:3], q, k, g, flag, kk, qk)
     x = call(
         functools.partial(_kda_inverse_kernel, precision=precision),
         grid=(num_chunks, heads), out_shape=square(F32),
@@ -662,7 +604,7 @@ def blank_output(starts, lengths, shape, dtype, *, interpret=False):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
+    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output",
                      "products_warps", "interpret"),
     donate_argnames=("state_pool",),
 )
@@ -683,15 +625,13 @@ def delta_rule_prefill(
     num_warps: tuple[int, int, int] = (4, 4, 4),
     num_stages: tuple[int, int, int] = (1, 4, 2),
     fuse_output: bool = False,
-    diag_span_limit: float = DIAG_SPAN_LIMIT,
     products_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
-    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA chunks whose
-    sub-blocks span more than ``diag_span_limit`` nats of decay take the exact form (tests force either form);
-    ``products_warps`` is the warp count of KDA's products kernel."""
+    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``); ``products_warps``
+    is the warp count of KDA's products kernel."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
@@ -702,11 +642,11 @@ def delta_rule_prefill(
         o, state_pool = delta_rule_prefill(
             pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
             block_v=block_v, num_warps=num_warps, num_stages=num_stages, fuse_output=fuse_output,
-            diag_span_limit=diag_span_limit, products_warps=products_warps, interpret=interpret)
+            products_warps=products_warps, interpret=interpret)
         return o[:num_tokens], state_pool
     num_chunks = num_tokens // CHUNK + starts.shape[0]
     table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
-    w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
+    w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks,
                                     num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
                                     interpret=interpret)
     blank = blank_output(starts.astype(jnp.int32), lengths.astype(jnp.int32), v.shape, v.dtype, interpret=interpret)

@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-path", default=None, help="--kv-prefix: directory of the disk store (default: a temp dir)")
     ap.add_argument("--trace", action="store_true",
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
+    ap.add_argument("--trace-dir", default=None,
+                    help="--trace: keep the profiler traces under this directory (one per traced workload)")
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
                     help="one row set per entry: 'none' (default) runs the one-device model, N splits it over N "
                     "devices through the tensor-parallel path (1: that path on one device, to measure its cost)")
@@ -125,6 +127,11 @@ def main(argv=None) -> int:
     if args.json:
         append_jsonl(args.json, rows)
     return 0
+
+
+def trace_path(args, what: str) -> str | None:
+    """Where ``--trace-dir`` keeps the trace of ``what`` (None: a temporary directory, removed)."""
+    return os.path.join(args.trace_dir, what) if args.trace_dir else None
 
 
 def random_model(args, raw: dict, placement, name: str, tp: int | None = None):
@@ -190,11 +197,14 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
     mfu = (2 * params * prefill_tps / (devices * PEAK_BF16_FLOPS[kind])) if kind else float("nan")
     if args.trace:
-        events = trace_events(lambda: llm.generate(prefill_prompts[:1], SamplingParams(max_new_tokens=1,
-                                                                                       ignore_eos=True)), 1)
-        chunks = -(-args.prompt_len // llm.scheduler_config.max_chunk)
-        print_breakdown(f"prefill {name} (1 x {args.prompt_len}, chunk {llm.scheduler_config.max_chunk})",
-                        step_breakdown(device_intervals(events), chunks))
+        # The timed workload again on fresh prompts (the same ones would hit the prefix cache).
+        traced = [prompt() for _ in range(args.prefill_batch)]
+        before = llm.stats.steps
+        events = trace_events(lambda: llm.generate(traced, SamplingParams(max_new_tokens=1, ignore_eos=True)), 1,
+                              trace_path(args, f"prefill_{name}"))
+        print_breakdown(f"prefill {name} ({args.prefill_batch} x {args.prompt_len}, "
+                        f"budget {llm.scheduler_config.max_num_batched_tokens} tokens)",
+                        step_breakdown(device_intervals(events), llm.stats.steps - before))
     rows = []
     for batch in batches:
         # Decode at context prompt_len on caches admitted as prefilled.
@@ -212,7 +222,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         device_step_us = float("nan")
         if args.trace:
             before = llm.stats.decode_steps
-            events = trace_events(decode, 1)
+            events = trace_events(decode, 1, trace_path(args, f"decode_{name}_B{batch}"))
             breakdown = step_breakdown(device_intervals(events), llm.stats.decode_steps - before)
             print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
             device_step_us = breakdown.get("span_us", float("nan"))

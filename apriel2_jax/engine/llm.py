@@ -464,12 +464,9 @@ class LLM:
             self._save_prefill(step)
         now = time.monotonic()
         for i, row in enumerate(step.rows):
-            if not row.samples:
-                continue
-            for j in range(fed.get(row.request, 1)):
-                yield from self._append(row.request, int(tokens[j, i]), float(logprobs[j, i]), now)
-                if row.request.status is RequestStatus.FINISHED:
-                    break
+            if row.samples:
+                count = fed.get(row.request, 1)
+                yield from self._append(row.request, tokens[:count, i].tolist(), logprobs[:count, i].tolist(), now)
         if self.debug_checks:
             self.scheduler.check_invariants()
 
@@ -568,21 +565,37 @@ class LLM:
         request.streamed_chars = end
         return piece
 
-    def _append(self, request: Request, token: int, logprob: float, now: float) -> Iterator[StreamEvent]:
-        request.output_ids.append(token)
+    def _append(self, request: Request, tokens: list[int], logprobs: list[float], now: float) -> Iterator[StreamEvent]:
+        """Add a row's new tokens to its request: one event for all of them (the request finished if its stop
+        check says so, and the tokens after its stop are dropped)."""
+        checker, reason = request.checker, None
+        if not tokens:
+            return
+        if self.tokenizer is not None and checker.needs_text:
+            # Stop strings are found token by token, so the output ends on the token that completed one.
+            for j, token in enumerate(tokens):
+                request.output_ids.append(token)
+                request.text = self.tokenizer.decode(request.output_ids)
+                reason, cut = checker(request.output_ids, request.text)
+                if reason is None and request.num_tokens >= self.max_model_len:
+                    reason = "length"
+                if reason is not None:
+                    tokens, logprobs = tokens[: j + 1], logprobs[: j + 1]
+                    if cut is not None:
+                        request.text = request.text[:cut]
+                    break
+        else:
+            keep, reason = checker.scan(tokens, len(request.output_ids), self.max_model_len - request.num_tokens)
+            tokens, logprobs = tokens[:keep], logprobs[:keep]
+            request.output_ids += tokens
+            if self.tokenizer is not None:
+                request.text = self.tokenizer.decode(request.output_ids)
         if request.params.logprobs:
-            request.logprobs.append(logprob)
+            request.logprobs += logprobs
         request.timings.setdefault("first_token", now)
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output_ids)
-        reason, cut = request.checker(request.output_ids, request.text if self.tokenizer is not None else None)
-        if reason is None and request.num_tokens >= self.max_model_len:
-            reason = "length"
-        if cut is not None:
-            request.text = request.text[:cut]
         new_text = self._unsent_text(request, finished=reason is not None)
         if reason is None:
-            yield StreamEvent(request.request_id, [token], new_text, False)
+            yield StreamEvent(request.request_id, tokens, new_text, False)
             return
         self.scheduler.finish(request, reason)
         start = request.timings["start"]
@@ -597,4 +610,4 @@ class LLM:
             time_to_first_token=request.timings["first_token"] - start,
             total_time=now - start,
         )
-        yield StreamEvent(request.request_id, [token], new_text, True, output)
+        yield StreamEvent(request.request_id, tokens, new_text, True, output)

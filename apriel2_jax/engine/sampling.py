@@ -239,13 +239,17 @@ def check_stop(
         return "stop", truncate_at
 
     if generated_ids:
-        last = generated_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
-            return "stop", None
+        return _token_stop(params, generated_ids[-1], len(generated_ids), eos_token_ids), None
+    return ("length" if params.max_new_tokens <= 0 else None), None
 
-    if len(generated_ids) >= params.max_new_tokens:
-        return "length", None
-    return None, None
+
+def _token_stop(params: SamplingParams, last: int, generated: int, eos_token_ids: Sequence[int]) -> str | None:
+    """The finish reason that ids alone give after ``generated`` tokens ending in ``last`` (stop strings aside)."""
+    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        return "stop"
+    if generated >= params.max_new_tokens:
+        return "length"
+    return None
 
 
 class StopChecker:
@@ -262,6 +266,23 @@ class StopChecker:
 
     def reset(self) -> None:
         self._checked = 0
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether stop strings are checked (on the text, token by token, where they complete)."""
+        return bool(self.params.stop)
+
+    def scan(self, new_ids: Sequence[int], generated: int, room: int) -> tuple[int, str | None]:
+        """Stop-string-free check of several new ids at once: ``(how many of them to keep, finish reason)``.
+        ``generated`` counts the ids before them, ``room`` how many more the sequence may hold ("length" once
+        it is reached). The same decision :meth:`__call__` makes token by token."""
+        for j, token in enumerate(new_ids):
+            reason = _token_stop(self.params, token, generated + j + 1, self.eos_token_ids)
+            if reason is None and j + 1 >= room:
+                reason = "length"
+            if reason is not None:
+                return j + 1, reason
+        return len(new_ids), None
 
     def __call__(self, generated_ids: Sequence[int], text: str | None = None) -> tuple[str | None, int | None]:
         result = check_stop(
