@@ -26,9 +26,10 @@ is strong (Apriel2's KDA gate has no lower bound). Its intra stage:
 
 - ``_kda_prepare_kernel``: everything elementwise, once per (chunk, head): the chunk-local cumsum G, the q/k
   norm scales, G_last and the decayed operands q e^G, k e^(G_last - G), beta k e^G.
-- ``_kda_products_kernel``, one program per 16-token row sub-block: the decayed products kk and qk, one product
-  for the columns of earlier sub-blocks (reference point just before the sub-block: every factor <= 1) and the
-  sub-block's own columns one at a time, elementwise, so no factor exceeds 1 whatever the decay.
+- ``_kda_products_kernel``, one program per 16-token row sub-block: the decayed products kk and qk. One
+  product with the midpoint of the sub-block's decay as reference point where its decay spans at most
+  ``DIAG_SPAN_LIMIT`` nats; a second call redoes the other sub-blocks in a form where no factor exceeds 1
+  whatever the decay (one product for the columns of earlier sub-blocks, four for its own 16 x 16 block).
 - ``_kda_inverse_kernel``: (I + beta kk)^-1 from 16x16 blocks (``_block_unit_lower_inverse``), at one warp.
 - ``_kda_apply_kernel``, one program per 64-wide column slice: w and u, one product each.
 Small kernels keep registers few and programs many: one kernel doing all of it held 255 registers (12.5%
@@ -60,6 +61,10 @@ from jax.experimental.pallas import triton as pltriton
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16
+# KDA sub-blocks whose decay spans at most this many nats (in every channel) take the one-product form of
+# ``_kda_products_kernel``, with factors within exp(+-75): inside the fp32 and bf16 exponent range (exp(+-87)),
+# with room for the raw q/k magnitudes they multiply. Stronger ones take its bounded form.
+DIAG_SPAN_LIMIT = 150.0
 # The dispatched configuration for many (sequence, head) pairs: see ``dispatch_config``.
 FUSED_CONFIG = dict(block_v=(128, 128), num_warps=(4, 8, 4), num_stages=(1, 2, 2), fuse_output=True)
 
@@ -185,27 +190,36 @@ def _kda_prepare_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, g_ref, beta_ref
         kb_ref[head, chunk, :, cs] = (k * decay * beta[:, None]).astype(out)
 
 
-def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, kk_ref, qk_ref, *,
-                         rep, precision):
+def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_ref, *refs, rep, precision,
+                         span_limit, form):
     """KDA's decayed products for one 16-row sub-block r of a chunk, over (r, chunk, head):
     kk[t, s] = k_t . k_s exp(G_t - G_s) (t > s) and qk[t, s] = q_t . k_s exp(G_t - G_s) (t >= s), q/k
     L2-normalized, for the sub-block's rows t. The per-channel decay cannot be factored over a whole chunk
-    (exp(-G) overflows under strong decay; Apriel2's KDA gate has no lower bound), so:
+    (exp(-G) overflows under strong decay; Apriel2's KDA gate has no lower bound), so each sub-block takes one of
+    two forms, by its span (the largest decay its 16 tokens cover in any channel):
 
-    - columns of earlier sub-blocks take one product with the decay just before the sub-block as reference
-      point b: rows scaled by exp(G_t - b) <= 1, columns by exp(b - G_s) <= 1. Nothing overflows, and where a
-      factor underflows the product it belongs to is below exp(-87) anyway.
-    - the sub-block's own 16 columns go one at a time, elementwise in fp32: exp(G_t - G_s) per channel, never
-      above 1 where it counts (t >= s). A single reference point there (e.g. the sub-block's midpoint) needs
-      factors up to exp(span / 2) and fails once a channel decays by more than ~170 nats over 16 tokens; with
-      the KDA gate's usual init (exp(A_log) up to 16) a 40-nat bound sent most chunks of random-weight models to
-      a slow exact kernel (H200: 10.8 of 28 ms in a 0.5B a12-g1-k11 prefill step).
+    - span <= ``span_limit``: one product per column slice, with the midpoint of the sub-block's decay as
+      reference point: columns of earlier sub-blocks get factors <= 1, its own columns factors within
+      exp(+-span / 2). Factors must stay inside the fp32/bf16 exponent range (about exp(+-87)) for the products
+      that count (t >= s) to be exact; masked pairs may overflow, and are replaced, not multiplied.
+    - stronger decay: no factor above 1 anywhere. Columns of earlier sub-blocks take the decay just before the
+      sub-block as reference point; the sub-block's own 16 x 16 block takes four more products, one per bit of
+      the offset within it (below). About four times the work of the first form.
+
+    ``form`` "midpoint": every sub-block's span, written to the flags, and the first form where it applies;
+    "bounded": the second form for the flagged sub-blocks (outputs aliased onto the first call's). Two kernels,
+    as one holding both forms needed the registers of the larger for both (mild decay, K = 128, H200: 316 µs
+    against 151 for the first form alone).
 
     A program per sub-block keeps its row tiles at 16 rows, loaded straight from the buffer, and its registers
     few: one kernel for the whole chunk held 255 registers (12.5% occupancy) and multiplied 64-row tiles of which
     only 16 rows were non-zero (Nsight Compute, H100). The sub-blocks of a chunk run side by side in the grid (a
     chunk's G and k are read from L2 by its four programs, not from HBM), and the first two sub-blocks multiply
     only the first half of the columns."""
+    if form == "midpoint":
+        kk_ref, qk_ref, flag_ref = refs
+    else:
+        flag_ref, _, _, kk_ref, qk_ref = refs
     r, chunk, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # sub-blocks of a chunk run together
     key_head = head // rep
     size, key_dim = kk_ref.shape[2], q_ref.shape[-1]
@@ -214,50 +228,108 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
     sub = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
     rows = r * SUB + sub
     block_rows = pl.ds(r * SUB, SUB)
+    k_scale_rows = scales_ref[head, chunk, 1, block_rows]
+    q_scale_rows = scales_ref[head, chunk, 0, block_rows]
 
-    def products(width):  # over the columns [0, width): every column that the sub-block's rows see
+    def base_row(cs):  # G just before the sub-block (0 for the first), [1, bs]
+        return jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
+
+    if form == "midpoint":
+        span = 0.0
+        for c0 in range(0, key_dim, bs):
+            cs = pl.ds(c0, bs)
+            span = jnp.maximum(span, jnp.max(base_row(cs) - G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs]))
+        mild = span <= span_limit
+        flag_ref[head, chunk, r] = (~mild).astype(jnp.int32)
+    else:
+        mild = flag_ref[head, chunk, r] == 0
+
+    def store(kk, qk, width, t, mask=None):
+        """Scaled and masked products of columns [0, width) (``mask``: only those columns)."""
+        k_scale = scales_ref[head, chunk, 1, pl.ds(0, width)]
+        below = rows[:, None] - t[None, :]
+        kk = jnp.where(below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
+        qk = jnp.where(below >= 0, qk * (q_scale_rows[:, None] * k_scale[None, :]), 0.0).astype(qk_ref.dtype)
+        if mask is None:
+            kk_ref[head, chunk, block_rows, pl.ds(0, width)] = kk
+            qk_ref[head, chunk, block_rows, pl.ds(0, width)] = qk
+        else:
+            target = (jnp.broadcast_to(rows[:, None], (SUB, width)), jnp.broadcast_to(t[None, :], (SUB, width)))
+            pltriton.store(kk_ref.at[head, chunk, target[0], target[1]], kk, mask=mask)
+            pltriton.store(qk_ref.at[head, chunk, target[0], target[1]], qk, mask=mask)
+        # kk's columns from ``width`` on stay unwritten: its only reader, the inverse kernel, reads the 16x16
+        # blocks on and below the diagonal. qk's readers take whole tiles.
+        if width < size:
+            qk_ref[head, chunk, block_rows, pl.ds(width, size - width)] = jnp.zeros((SUB, size - width), qk_ref.dtype)
+
+    def midpoint_form(width):  # over the columns [0, width): every column that the sub-block's rows see
+        t = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        reach = (t < (r + 1) * SUB)[:, None]
+        kk = jnp.zeros((SUB, width), F32)
+        qk = jnp.zeros((SUB, width), F32)
+        for c0 in range(0, key_dim, bs):
+            cs = pl.ds(c0, bs)
+            G = G_ref[head, chunk, pl.ds(0, width), cs]
+            mid = 0.5 * (base_row(cs) + G_ref[head, chunk, pl.ds(r * SUB + SUB - 1, 1), cs])  # [1, bs]
+            row_decay = jnp.exp(G_ref[head, chunk, block_rows, cs] - mid)
+            col = _f32(load(k_ref, key_head, c0, bs, t)) * jnp.exp(jnp.where(reach, mid - G, -jnp.inf))
+            kk += _dot(_f32(load(k_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
+            qk += _dot(_f32(load(q_ref, key_head, c0, bs, rows)) * row_decay, col, precision, trans_b=True)
+        store(kk, qk, width, t)
+
+    def bounded_form(width):
+        # The own 16 x 16 block. A pair t > s is split at the highest bit L where their offsets i differ: s lies
+        # in the left half of the aligned block of size 2^(L+1) that holds both, t in its right half, and the
+        # left half's last token p is a reference point with exp(G_t - G_p) <= 1 and exp(G_p - G_s) <= 1. p
+        # depends on the level and on either offset alone, so each level is one product of row and column
+        # factors (rows with bit L set, columns without it), masked to pairs in the same block. t = s is a
+        # plain product (exp(0) = 1).
+        own_kk = jnp.zeros((SUB, SUB), F32)
+        own_qk = jnp.zeros((SUB, SUB), F32)
+        own_diag = jnp.zeros((SUB, SUB), F32)
         t = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
         earlier = (t < r * SUB)[:, None]
         kk = jnp.zeros((SUB, width), F32)
         qk = jnp.zeros((SUB, width), F32)
         for c0 in range(0, key_dim, bs):
             cs = pl.ds(c0, bs)
-            G = G_ref[head, chunk, pl.ds(0, width), cs]
+            cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (SUB, bs), 1)
             G_rows = G_ref[head, chunk, block_rows, cs]
-            # G just before the sub-block (0 for the first)
-            base = jnp.where(r > 0, G_ref[head, chunk, pl.ds(jnp.maximum(r * SUB - 1, 0), 1), cs], 0.0)
-            k = _f32(load(k_ref, key_head, c0, bs, t))
             k_rows = _f32(load(k_ref, key_head, c0, bs, rows))
             q_rows = _f32(load(q_ref, key_head, c0, bs, rows))
+            own_diag += _dot(q_rows, k_rows, precision, trans_b=True)
+            for level in range(SUB.bit_length() - 1):
+                p = r * SUB + ((sub >> (level + 1)) << (level + 1)) + (1 << level) - 1
+                G_p = pltriton.load(G_ref.at[head, chunk, jnp.broadcast_to(p[:, None], (SUB, bs)), cols])
+                right = (((sub >> level) & 1) == 1)[:, None]
+                row_decay = jnp.where(right, jnp.exp(jnp.minimum(G_rows - G_p, 0.0)), 0.0)
+                col = jnp.where(right, 0.0, k_rows * jnp.exp(jnp.minimum(G_p - G_rows, 0.0)))
+                same = (sub[:, None] >> (level + 1)) == (sub[None, :] >> (level + 1))
+                own_kk += jnp.where(same, _dot(k_rows * row_decay, col, precision, trans_b=True), 0.0)
+                own_qk += jnp.where(same, _dot(q_rows * row_decay, col, precision, trans_b=True), 0.0)
+            # Columns of earlier sub-blocks: reference point just before the sub-block.
+            base = base_row(cs)
+            col = _f32(load(k_ref, key_head, c0, bs, t)) * jnp.exp(
+                jnp.where(earlier, base - G_ref[head, chunk, pl.ds(0, width), cs], -jnp.inf))
             row_decay = jnp.exp(G_rows - base)
-            col = k * jnp.exp(jnp.where(earlier, base - G, -jnp.inf))
             kk += _dot(k_rows * row_decay, col, precision, trans_b=True)
             qk += _dot(q_rows * row_decay, col, precision, trans_b=True)
-            for o in range(SUB):  # the sub-block's own columns s = r * SUB + o
-                pick = (sub == o)[:, None]
-                k_s = jnp.sum(jnp.where(pick, k_rows, 0.0), axis=0)[None, :]
-                G_s = jnp.sum(jnp.where(pick, G_rows, 0.0), axis=0)[None, :]
-                kd = k_s * jnp.exp(jnp.minimum(G_rows - G_s, 0.0))  # rows t < s are masked below
-                at = (t == r * SUB + o)[None, :]
-                kk += jnp.where(at, jnp.sum(k_rows * kd, axis=1)[:, None], 0.0)
-                qk += jnp.where(at, jnp.sum(q_rows * kd, axis=1)[:, None], 0.0)
-        k_scale = scales_ref[head, chunk, 1, pl.ds(0, width)]
-        k_scale_rows = scales_ref[head, chunk, 1, block_rows]
-        q_scale_rows = scales_ref[head, chunk, 0, block_rows]
-        below = rows[:, None] - t[None, :]
-        # kk's columns from ``width`` on stay unwritten: its only reader, the inverse kernel, reads the 16x16 blocks
-        # on and below the diagonal. A reader of whole kk tiles would need them zeroed here first.
-        kk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
-            below > 0, kk * (k_scale_rows[:, None] * k_scale[None, :]), 0.0)
-        qk_ref[head, chunk, block_rows, pl.ds(0, width)] = jnp.where(
-            below >= 0, qk * (q_scale_rows[:, None] * k_scale[None, :]), 0.0).astype(qk_ref.dtype)
-        if width < size:
-            qk_ref[head, chunk, block_rows, pl.ds(width, size - width)] = jnp.zeros((SUB, size - width), qk_ref.dtype)
+        own_qk = jnp.where(sub[:, None] == sub[None, :], own_diag, own_qk)
+        kk_ref[head, chunk, block_rows, block_rows] = jnp.where(
+            sub[:, None] > sub[None, :], own_kk * (k_scale_rows[:, None] * k_scale_rows[None, :]), 0.0)
+        qk_ref[head, chunk, block_rows, block_rows] = jnp.where(
+            sub[:, None] >= sub[None, :], own_qk * (q_scale_rows[:, None] * k_scale_rows[None, :]), 0.0
+        ).astype(qk_ref.dtype)
+        # Every column but the own ones (a store covering those too would race with the one above).
+        store(kk, qk, width, t, mask=jnp.broadcast_to(((t < r * SUB) | (t >= (r + 1) * SUB))[None, :], (SUB, width)))
 
     # The first half of the sub-blocks sees only the first half of the columns: half the work for them.
     half = size // 2
-    pl.when(r < half // SUB)(lambda: products(half))
-    pl.when(r >= half // SUB)(lambda: products(size))
+    for width, sees in ((half, r < half // SUB), (size, r >= half // SUB)):
+        if form == "midpoint":
+            pl.when(sees & mild)(functools.partial(midpoint_form, width))
+        else:
+            pl.when(sees & ~mild)(functools.partial(bounded_form, width))
 
 
 def _kda_inverse_kernel(start_ref, lo_ref, hi_ref, beta_ref, kk_ref, x_ref, *, precision):
@@ -468,7 +540,7 @@ def _params(dtype, num_warps, num_stages):
     return precision, pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def intra(table, q, k, v, g, beta, num_chunks, *, num_warps=4, num_stages=1,
+def intra(table, q, k, v, g, beta, num_chunks, *, span_limit=DIAG_SPAN_LIMIT, num_warps=4, num_stages=1,
           products_warps=4, inverse_warps=1, interpret=False):
     """The intra-chunk stage, reading the flat buffers: w, u, masked q-k, decayed q and k in the chunk layout
     [H, num_chunks, C, .], and the chunk's total log decay. GDN: one kernel over (chunk, head). KDA: the prepare
@@ -497,11 +569,16 @@ def intra(table, q, k, v, g, beta, num_chunks, *, num_warps=4, num_stages=1,
         out_shape=(sds((heads, num_chunks, CHUNK, key_dim), F32), sds((heads, num_chunks, 2, CHUNK), F32),
                    per_key, per_key, per_key, sds((heads, num_chunks, key_dim), F32)),
         compiler_params=params, name="delta_rule_kda_prepare")(*table[:3], q, k, g, beta)
+    products = functools.partial(_kda_products_kernel, rep=rep, precision=precision, span_limit=span_limit)
+    products_params = pltriton.CompilerParams(num_warps=products_warps, num_stages=1)
+    kk, qk, flag = call(
+        functools.partial(products, form="midpoint"), grid=(CHUNK // SUB, num_chunks, heads),
+        out_shape=(square(F32), square(mm), sds((heads, num_chunks, CHUNK // SUB), jnp.int32)),
+        compiler_params=products_params, name="delta_rule_kda_products")(*table[:3], q, k, G, scales)
     kk, qk = call(
-        functools.partial(_kda_products_kernel, rep=rep, precision=precision),
-        grid=(CHUNK // SUB, num_chunks, heads), out_shape=(square(F32), square(mm)),
-        compiler_params=pltriton.CompilerParams(num_warps=products_warps, num_stages=1),
-        name="delta_rule_kda_products")(*table[:3], q, k, G, scales)
+        functools.partial(products, form="bounded"), grid=(CHUNK // SUB, num_chunks, heads),
+        out_shape=(square(F32), square(mm)), input_output_aliases={8: 0, 9: 1}, compiler_params=products_params,
+        name="delta_rule_kda_products_bounded")(*table[:3], q, k, G, scales, flag, kk, qk)
     x = call(
         functools.partial(_kda_inverse_kernel, precision=precision),
         grid=(num_chunks, heads), out_shape=square(F32),
@@ -604,7 +681,7 @@ def blank_output(starts, lengths, shape, dtype, *, interpret=False):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output",
+    static_argnames=("max_len", "block_v", "num_warps", "num_stages", "fuse_output", "diag_span_limit",
                      "products_warps", "interpret"),
     donate_argnames=("state_pool",),
 )
@@ -625,13 +702,15 @@ def delta_rule_prefill(
     num_warps: tuple[int, int, int] = (4, 4, 4),
     num_stages: tuple[int, int, int] = (1, 4, 2),
     fuse_output: bool = False,
+    diag_span_limit: float = DIAG_SPAN_LIMIT,
     products_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Signature of ``delta_rule_varlen_slots`` (``max_len`` is not needed here). ``num_warps``/``num_stages``
     are per kernel (intra, state, output); ``block_v`` is the V-slab of the state and output kernels.
-    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``); ``products_warps``
-    is the warp count of KDA's products kernel."""
+    ``fuse_output`` computes the output inside the state kernel (``_state_output_kernel``). KDA sub-blocks whose
+    decay spans more than ``diag_span_limit`` nats take the bounded form of the products kernel (tests force
+    either form); ``products_warps`` is the warp count of KDA's products kernel."""
     del max_len
     num_tokens, heads, value_dim = v.shape
     key_heads = q.shape[1]
@@ -642,11 +721,11 @@ def delta_rule_prefill(
         o, state_pool = delta_rule_prefill(
             pad(q), pad(k), pad(v), pad(g), pad(beta), state_pool, starts, lengths, slots, fresh,
             block_v=block_v, num_warps=num_warps, num_stages=num_stages, fuse_output=fuse_output,
-            products_warps=products_warps, interpret=interpret)
+            diag_span_limit=diag_span_limit, products_warps=products_warps, interpret=interpret)
         return o[:num_tokens], state_pool
     num_chunks = num_tokens // CHUNK + starts.shape[0]
     table = chunk_table(starts.astype(jnp.int32), lengths.astype(jnp.int32), num_tokens, num_chunks)
-    w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks,
+    w, u, qk, qg, kd, glast = intra(table, q, k, v, g, beta, num_chunks, span_limit=diag_span_limit,
                                     num_warps=num_warps[0], num_stages=num_stages[0], products_warps=products_warps,
                                     interpret=interpret)
     blank = blank_output(starts.astype(jnp.int32), lengths.astype(jnp.int32), v.shape, v.dtype, interpret=interpret)

@@ -52,6 +52,15 @@ def test_packed_sequences_match_the_oracle_fp32(kda, fuse_output):
     np.testing.assert_array_equal(np.asarray(pool)[5], np.asarray(x["state_pool"])[5])  # untouched slot
 
 
+@pytest.mark.parametrize("span_limit", [-1.0, 1e30])
+def test_kda_products_midpoint_and_bounded_forms_agree(span_limit):
+    """Mild decay: a limit of 1e30 forces the midpoint form of every sub-block, -1 the bounded form."""
+    x = _inputs(4, kda=True, decay=0.5, rows=4)
+    o_ref, pool_ref = delta_rule_varlen_slots(**x, max_len=80)
+    o, pool = _run(x, diag_span_limit=span_limit)
+    assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
+
+
 def test_kda_extreme_and_mild_channels_side_by_side():
     """Half the key channels decay by up to 100 nats per token (1600 over a 16-token sub-block: any single
     reference point overflows there), the other half hardly at all: kk and qk stay exact in both."""
@@ -113,7 +122,8 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda, fuse_output):
 
 
 def test_kda_wide_keys_with_mild_and_strong_chunks():
-    """K = 128 (two column slices in every kernel) and decay mild before token 100, strong after."""
+    """K = 128 (two column slices in every kernel) and decay mild before token 100, strong after, so one call
+    mixes sub-blocks of both forms of the products kernel."""
     x = _inputs(7, True, key_dim=128, value_dim=64, decay=0.5)
     g = np.asarray(x["g"]).copy()
     g[100:] = -np.random.default_rng(3).uniform(0.0, 20.0, g[100:].shape)
