@@ -60,6 +60,7 @@ class StreamEvent:
     new_text: str
     finished: bool
     output: RequestOutput | None = None
+    new_logprobs: list[float] | None = None  # the new tokens' log-probabilities, when the request asked for them
 
 
 @dataclasses.dataclass
@@ -594,8 +595,9 @@ class LLM:
             request.logprobs += logprobs
         request.timings.setdefault("first_token", now)
         new_text = self._unsent_text(request, finished=reason is not None)
+        new_logprobs = logprobs if request.params.logprobs else None
         if reason is None:
-            yield StreamEvent(request.request_id, tokens, new_text, False)
+            yield StreamEvent(request.request_id, tokens, new_text, False, new_logprobs=new_logprobs)
             return
         self.scheduler.finish(request, reason)
         start = request.timings["start"]
@@ -610,4 +612,4 @@ class LLM:
             time_to_first_token=request.timings["first_token"] - start,
             total_time=now - start,
         )
-        yield StreamEvent(request.request_id, tokens, new_text, True, output)
+        yield StreamEvent(request.request_id, tokens, new_text, True, output, new_logprobs)

@@ -55,7 +55,7 @@ class Ticket:
     them; several tickets of one HTTP request share a queue and tell themselves apart by ``tag``."""
 
     __slots__ = ("prompt_ids", "params", "queue", "tag", "arrival", "request_id", "done", "closed",
-                 "first_token_at", "last_token_at", "tokens", "engine_request")
+                 "first_token_at", "last_token_at", "tokens")
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue, tag: Any):
         self.prompt_ids = prompt_ids
@@ -70,7 +70,6 @@ class Ticket:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.tokens = 0
-        self.engine_request = None  # the scheduler's Request (engine thread only; for streamed log-probabilities)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +260,6 @@ class EngineLoop:
                 out.append((ticket, EngineError(400, str(err))))
                 return
             self._live[ticket.request_id] = ticket
-            if ticket.params.logprobs:
-                # StreamEvent carries no log-probabilities; the request's list has them as they are sampled.
-                ticket.engine_request = next(
-                    (r for r in reversed(llm.scheduler.waiting) if r.request_id == ticket.request_id), None)
             self.metrics.admitted(len(ticket.prompt_ids))
         elif isinstance(command, _Abort):
             ticket = command.ticket
@@ -285,12 +280,7 @@ class EngineLoop:
             if ticket is None:  # aborted in this iteration, after the step produced it
                 continue
             n = len(event.new_token_ids)
-            logprobs = None
-            if ticket.params.logprobs:
-                if event.finished and event.output.logprobs is not None:
-                    logprobs = event.output.logprobs[ticket.tokens:ticket.tokens + n]
-                elif ticket.engine_request is not None:
-                    logprobs = ticket.engine_request.logprobs[ticket.tokens:ticket.tokens + n]
+            logprobs = event.new_logprobs if ticket.params.logprobs else None
             if n:
                 if ticket.first_token_at is None:
                     ticket.first_token_at = now

@@ -191,6 +191,29 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     assert many.stats.decode_tokens == one.stats.decode_tokens - len(reference) + 1  # one also ran the reference
 
 
+def test_stream_events_carry_each_dispatch_tokens_and_logprobs(hybrid):
+    """A decode dispatch of several steps streams one event per request with all its new tokens (and their
+    log-probabilities, for requests that asked): events add up to the outputs, nothing follows a stop."""
+    case = hybrid[0]
+    prompts = _prompts(case)[:2]
+    llm = _engine(hybrid, decode_steps=4, enable_prefix_caching=False)
+    reference = llm.generate(prompts[:1], GREEDY)[0].token_ids
+    params = [SamplingParams.greedy(max_new_tokens=10, stop_token_ids=(reference[5],), logprobs=True),
+              SamplingParams.greedy(max_new_tokens=9)]
+    events = list(llm.stream(prompts, params))
+    outputs = {e.index: e.output for e in events if e.finished}
+    for i, p in enumerate(params):
+        mine = [e for e in events if e.index == i]
+        assert [t for e in mine for t in e.new_token_ids] == outputs[i].token_ids
+        assert mine[-1].finished and not any(e.finished for e in mine[:-1])
+        if p.logprobs:
+            np.testing.assert_array_equal([x for e in mine for x in e.new_logprobs], outputs[i].logprobs)
+        else:
+            assert all(e.new_logprobs is None for e in mine)
+    assert outputs[0].token_ids == reference[:6] and outputs[0].finish_reason == "stop"
+    assert max(len(e.new_token_ids) for e in events) > 1  # several tokens per event
+
+
 def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
     case, model, _ = hybrid
     lines = []
