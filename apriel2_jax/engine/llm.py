@@ -34,7 +34,7 @@ from .kv_connector import ConnectorStats, Entry, EntryStore, KVConnector, LoadRe
 from .kv_connector import transfer
 from .prefix_cache import PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
-from .scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from .scheduler import Request, Scheduler, SchedulerConfig
 from .step import Buckets, StepRunner, build_inputs, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
