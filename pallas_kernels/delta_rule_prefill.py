@@ -208,8 +208,8 @@ def _kda_products_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, G_ref, scales_
 
     ``form`` "midpoint": every sub-block's span, written to the flags, and the first form where it applies;
     "bounded": the second form for the flagged sub-blocks (outputs aliased onto the first call's). Two kernels,
-    as one holding both forms needed the registers of the larger for both (mild decay, K = 128, H200: 316 µs
-    against 151 for the first form alone).
+    as one holding both forms needed the registers of the larger for both (mild decay, K = 128, H200: 316 µs in
+    one kernel, 187 + 25 µs in these two).
 
     A program per sub-block keeps its row tiles at 16 rows, loaded straight from the buffer, and its registers
     few: one kernel for the whole chunk held 255 registers (12.5% occupancy) and multiplied 64-row tiles of which

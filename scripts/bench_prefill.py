@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                          "torch's kernels too) and print every kernel's GPU time and their sum per call")
     ap.add_argument("--decay", type=float, default=1.0,
                     help="KDA: per-token log decays drawn from [0, DECAY] nats per channel (the gate's usual init, "
-                         "exp(A_log) up to 16 times softplus, reaches ~10)")
+                         "exp(A_log) up to 16, gives up to 16 x softplus(0) = 11 at a zero gate input)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dry = args.dry_run
