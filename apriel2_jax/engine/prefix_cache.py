@@ -19,11 +19,12 @@ query at ``k * page_size`` still sees; the state family holds a snapshot at ``k`
 
 Where snapshots are taken. The kernels write a sequence's state only at the end of its chunk, so chunks are
 cut where snapshots are wanted. With recurrent layers, chunks of a prefill end on page boundaries (the last
-chunk ends at the prompt), at multiples of a snapshot interval if one is set, and where the request's
-prefix stops being *known* (computed before by any request, whether or not its pages are still cached): that
-is the branch point at which later requests sharing the prefix diverge, so the first request past it leaves the
-snapshot they need. A waiting request that would miss only because another running request is about to reach
-that point waits for it instead of recomputing the prefix in parallel.
+chunk ends at the prompt), at multiples of a snapshot interval if one is set, and at *branch points*: where
+the request's prefix stops being known (computed before by any request, whether or not its pages are still
+cached) and where it stops being shared with a request still queued. Later requests sharing the prefix diverge
+there, so the first request past it leaves the snapshot they need: requests submitted together that share a
+prefix compute it once, as with attention alone. A waiting request that shares a longer prefix than its hit
+with a running request that has not computed that far yet waits for it instead of computing it in parallel.
 
 Device work is queued here and done by the engine before the next step: saves (slot row -> snapshot row) first,
 then restores (snapshot row -> slot row); row copies inside the state arrays.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from .scheduler import Request
 
 HASH_BYTES = 16
+# Queued requests a prefill chunk looks at for branch points (bounds the host work per scheduled row).
+QUEUE_LOOKAHEAD = 64
 
 
 def prefix_root(placement: Sequence[str | None], page_size: int) -> bytes:
@@ -225,16 +229,50 @@ class PrefixCache:
             k += 1
         return k
 
-    def chunk_end(self, request: "Request", start: int, end: int) -> int:
-        """Where a prefill chunk [start, end) should end so that snapshots land where they are useful: at the
-        branch point (the end of the known prefix) or the next multiple of the snapshot interval inside it,
-        else on a page boundary unless it is the last chunk."""
+    def _shared_pages(self, request: "Request", other: "Request", pages: int) -> int:
+        """How many leading full pages (at most ``pages``) ``request`` and ``other`` have in common. A chain hash
+        names its whole prefix, so sharing page ``k`` means sharing every page before it: a binary search."""
+        mine, theirs = self.chain(request, pages), self.chain(other, pages)
+        lo, hi = 0, min(pages, len(mine), len(theirs))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mine[mid - 1] == theirs[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _queued_branches(self, request: "Request", waiting: Iterable["Request"], start_page: int,
+                         end_page: int) -> list[int]:
+        """Boundaries in (start_page, end_page] where the request's prefix stops being shared with a queued
+        request (the first ``QUEUE_LOOKAHEAD`` of ``waiting``), or ``end_page`` where it is shared beyond."""
+        chain = self.chain(request, end_page)
+        if len(chain) <= start_page:
+            return []
+        branches = set()
+        for other in itertools.islice(waiting, QUEUE_LOOKAHEAD):
+            if other is request:
+                continue
+            theirs = self.chain(other, start_page + 1)
+            if len(theirs) <= start_page or theirs[start_page] != chain[start_page]:
+                continue  # the common case, unrelated prompts: one comparison
+            shared = self._shared_pages(request, other, end_page)
+            if shared > start_page:
+                branches.add(shared)
+        return sorted(branches)
+
+    def chunk_end(self, request: "Request", start: int, end: int, waiting: Iterable["Request"] = ()) -> int:
+        """Where a prefill chunk [start, end) should end so that snapshots land where they are useful: at a
+        branch point (where the known prefix ends, or where the prefix shared with a queued request in
+        ``waiting`` ends) or the next multiple of the snapshot interval inside it, else on a page boundary unless
+        it is the last chunk."""
         if not self.has_state or self.snapshots is None:
             return end
         size = self.page_size
         cuts = []
         if start % size == 0:
             cuts.append(self._known_run(request, start // size, end // size) * size)
+            cuts += [k * size for k in self._queued_branches(request, waiting, start // size, end // size)]
         if self.snapshot_interval:
             cuts.append((start // self.snapshot_interval + 1) * self.snapshot_interval)
         cuts = [cut for cut in cuts if start < cut < end]
@@ -245,18 +283,25 @@ class PrefixCache:
         return end
 
     def should_wait(self, request: "Request", hit: PrefixHit, running: Iterable["Request"]) -> bool:
-        """True when the request would recompute a known prefix that a running request is about to reach
-        (and snapshot): admitting it one or two steps later turns that recompute into a hit."""
+        """True when the request would recompute a prefix that a running request shares and has not computed
+        past yet (its chunk ends there: a branch point, see :meth:`chunk_end`): admitting the request one or two
+        steps later, from that request's snapshot, turns the recompute into a hit."""
         if not self.has_state or self.snapshots is None:
             return False
         size = self.page_size
-        branch = self._known_run(request, hit.tokens // size, (request.num_tokens - 1) // size)
-        if branch * size <= hit.tokens:
-            return False
-        key = request.page_hashes[branch - 1]
+        limit = (request.num_tokens - 1) // size
+        first = hit.tokens // size
+        chain = self.chain(request, limit)
+        if first >= min(limit, len(chain)):
+            return False  # nothing past the hit that a snapshot could cover
+        key = chain[first]
         for other in running:
-            if (other is not request and other.prefix_cacheable and other.num_computed < branch * size
-                    and len(other.page_hashes) >= branch and other.page_hashes[branch - 1] == key):
+            if other is request or not other.prefix_cacheable or other.num_computed >= limit * size:
+                continue
+            theirs = self.chain(other, first + 1)
+            if len(theirs) <= first or theirs[first] != key:
+                continue  # shares no page past the hit
+            if other.num_computed < self._shared_pages(request, other, limit) * size:
                 return True
         return False
 

@@ -206,7 +206,7 @@ class Scheduler:
         start = request.num_computed
         end = start + min(request.pending, self.config.max_chunk, budget)
         if self.prefix is not None:
-            end = self.prefix.chunk_end(request, start, end)
+            end = self.prefix.chunk_end(request, start, end, self.waiting)
         return end - start
 
     def _preempt_newest(self) -> Request:

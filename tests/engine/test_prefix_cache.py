@@ -109,6 +109,21 @@ def test_requests_waiting_on_a_branch_point_another_request_is_about_to_snapshot
     assert llm.stats.prefix.hit_tokens == 16 + 3 * 20
 
 
+def test_requests_submitted_together_compute_their_shared_prefix_once(hybrid):
+    """Four new prompts share 20 tokens (nothing computed before). The first ends a chunk where its prefix stops
+    being shared with the queued ones (20, inside its second chunk); the others wait for that snapshot and
+    compute only their own 2 tokens: the hit rate attention pages alone would give."""
+    kw = dict(max_num_batched_tokens=32, max_chunk=16, buckets=Buckets((4,), (4,), (1, 4, 8, 16)))
+    llm = _hybrid_engine(hybrid, **kw)
+    plain = _hybrid_engine(hybrid, enable_prefix_caching=False, **kw)
+    shared = list(range(3, 23))
+    prompts = [shared + [30 + i, 31 + i] for i in range(4)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert llm.stats.prefill_tokens == 22 + 3 * 2
+    assert llm.stats.prefix.hit_tokens == 3 * 20
+    assert llm.stats.prefix.family_hit_tokens["state"] == llm.stats.prefix.family_hit_tokens["full"] == 3 * 20
+
+
 def test_snapshot_interval_ends_chunks_at_its_multiples(hybrid):
     """Chunks of 16 with an interval of 8: the first prompt leaves snapshots at 8 and 16, so a prompt sharing
     its first 13 tokens resumes at 8 although it is the first to diverge there (a branch point at 12)."""
