@@ -79,6 +79,49 @@ def test_concurrent_streams_match_offline_generate(server, engine, workload):
     assert metric(after, "apriel2_prefix_cache_family_hit_rate", 'family="full"') > 0
 
 
+def test_streams_complete_while_others_disconnect_mid_stream(server, engine, workload):
+    """32 concurrent streams on shared keep-alive connections, every fourth closed by its client after its first
+    chunk: the others finish with [DONE] and the offline engine's tokens; every request ends (length or abort)
+    and nothing stays referenced."""
+    prompts, max_tokens = workload[0][:32], workload[1][:32]
+    quits = set(range(0, 32, 4))
+    keep = [i for i in range(32) if i not in quits]
+    expected = engine.call(lambda llm: llm.generate(
+        [prompts[i] for i in keep],
+        [SamplingParams.greedy(max_new_tokens=max_tokens[i], ignore_eos=True) for i in keep])).result(timeout=600)
+    before = _metrics(server)
+
+    async def one(client, i):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 400 if i in quits else max_tokens[i],
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+        lines = []
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if i in quits and line.startswith("data: "):
+                    return None  # leaving the block closes the connection mid-stream
+        events = _sse_data(lines)
+        return [t for e in events for t in e["choices"][0].get("token_ids", [])]
+
+    async def run():
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=600) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    for i, out in zip(keep, expected):
+        assert results[i] == out.token_ids, f"stream {i}"
+    wait_until(lambda: engine_idle(engine), message="every page and slot to be freed")
+    after = _metrics(server)
+
+    def ended(reason):
+        label = f'finish_reason="{reason}"'
+        return metric(after, "apriel2_requests_finished_total", label) - metric(before, "apriel2_requests_finished_total", label)
+    assert ended("length") + ended("abort") == 32
+    assert ended("abort") >= 1  # 400 tokens take many dispatches: at least one closed stream was aborted
+
+
 LONG = {"model": MODEL, "prompt": "hello world", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
 
