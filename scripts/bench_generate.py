@@ -377,7 +377,7 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     rng = np.random.default_rng(0)
     tokens = lambda k: [int(t) for t in rng.integers(3, config.vocab_size, size=k)]  # noqa: E731
     warm_prefix, timed_prefix = tokens(n), tokens(n)
-    one_token = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    one_token = SamplingParams.greedy(max_new_tokens=1, ignore_eos=True)
     # Chunks end at multiples of the prefix length, so the writer leaves a state entry exactly at N.
     engine = dict(model=model, max_model_len=max_len, page_size=args.page_size, cache_memory_fraction=0.9,
                   snapshot_interval=n, max_num_seqs=8)
@@ -385,8 +385,13 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     stores = {"host": HostMemoryStore(64 * 2**30), "disk": DiskStore(disk_dir)}
     runner = None
 
-    def ttft(llm, prefix) -> float:
-        return llm.generate([prefix + tokens(args.suffix_len)], one_token)[0].time_to_first_token
+    def ttft(llm, prefix, suffix=None) -> float:
+        out = llm.generate([prefix + (suffix or tokens(args.suffix_len))], one_token)[0]
+        first_tokens.append(out.token_ids[0])
+        return out.time_to_first_token
+
+    first_tokens: list[int] = []
+    timed_suffix = tokens(args.suffix_len)  # the same prompt in every mode: its greedy first token must agree
 
     writer = LLM(kv_connector=stores["host"], **engine)
     runner = writer.runner
@@ -402,10 +407,12 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         llm = LLM(kv_connector=stores.get(mode), step_runner=runner, **engine)
         ttft(llm, warm_prefix)  # compiles this path's shapes (and the load's copies)
         llm.reset_stats()
-        first = ttft(llm, timed_prefix)
+        first = ttft(llm, timed_prefix, timed_suffix)
+        token = first_tokens[-1]
         loaded = llm.stats.connector.tokens_loaded if llm.stats.connector else 0
         computed = llm.stats.prefill_tokens
         load_s = llm.stats.connector.load_seconds if llm.stats.connector else 0.0  # worker: reads + device copy
+        stage_s = llm.stats.connector.stage_seconds if llm.stats.connector else 0.0  # of which the device copy
         local = ttft(llm, timed_prefix)  # the prefix is now in the device prefix cache
         bytes_loaded = loaded * sum(f.token_bytes for f in llm.layout.attention) + (
             llm.layout.state.slot_bytes if llm.layout.state and loaded else 0)
@@ -416,8 +423,10 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             "tokens_loaded": loaded, "prefill_tokens": computed,
             "loaded_GB": round(bytes_loaded / 1e9, 3),
             "load_GB_s": round(bytes_loaded / 1e9 / first, 2) if loaded else 0.0,
-            "load_worker_ms": round(load_s * 1e3, 1), "local_hit_ttft_ms": round(local * 1e3, 1),
+            "load_worker_ms": round(load_s * 1e3, 1), "load_copy_ms": round(stage_s * 1e3, 1), "local_hit_ttft_ms": round(local * 1e3, 1),
+            "first_token": token,
         })
+        rows[-1]["same_token"] = token == rows[0]["first_token"]  # loaded prefix vs recomputed, greedy
         rows[-1]["speedup"] = round(rows[0]["ttft_ms"] / rows[-1]["ttft_ms"], 2)
         del llm
         gc.collect()

@@ -45,6 +45,9 @@ class EntryStore(abc.ABC):
     ``get`` raises :class:`ConnectorError` for anything it cannot return intact."""
 
     name = "store"
+    # Whether a load reads entries on several threads: worth it when ``get`` releases the GIL for long (file
+    # reads, checksums); a store whose ``get`` is Python bookkeeping and small copies only contends.
+    parallel_reads = True
 
     @abc.abstractmethod
     def put(self, entry: Entry) -> None: ...

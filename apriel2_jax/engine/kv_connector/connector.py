@@ -36,6 +36,7 @@ class ConnectorStats:
     timeouts: int = 0
     failed_saves: int = 0
     load_seconds: float = 0.0  # worker time of the loads that came back (store reads and the ``stage`` copy)
+    stage_seconds: float = 0.0  # of which the ``stage`` copy (to the device)
 
     def summary(self) -> str:
         return (
@@ -57,6 +58,7 @@ class LoadResult:
     pages: dict
     state: dict | None  # state array name -> row [1, ...] at good_pages (None: none loaded)
     error: str | None = None
+    stage_seconds: float = 0.0  # time the ``stage`` copy took
 
     @property
     def complete(self) -> bool:
@@ -76,8 +78,8 @@ class _Load:
 class KVConnector:
     def __init__(self, store: EntryStore, load_timeout: float = 30.0, load_workers: int = 2, read_threads: int = 8,
                  stage: Callable[[dict], dict] | None = None, log: Callable[[str], None] | None = None):
-        """``read_threads``: entries of one load are read by this many threads (file reads, checksums and
-        copies release the GIL). ``stage``: applied on the load worker to the loaded arrays (e.g. a copy to
+        """``read_threads``: entries of one load are read by this many threads when the store's
+        ``parallel_reads`` allows it (file reads and checksums release the GIL). ``stage``: applied on the load worker to the loaded arrays (e.g. a copy to
         the device, so the engine loop does not wait for it). It must return copies, complete when it returns:
         with it, loads reuse the host buffers of earlier loads (first touches of fresh pages, not the copies,
         dominated the read time of an 8K-token prefix)."""
@@ -203,6 +205,7 @@ class KVConnector:
                 if self._loads.get(load.request_id) is load:
                     load.result = result
                     self.stats.load_seconds += time.monotonic() - start
+                    self.stats.stage_seconds += result.stage_seconds
                     self._lock.notify_all()
 
     def _fail(self, kind: str, key: bytes, err: Exception) -> str:
@@ -237,7 +240,7 @@ class KVConnector:
                         first_bad[0] = min(first_bad[0], i)
                     return
 
-        threads = max(1, min(self.read_threads, count))
+        threads = max(1, min(self.read_threads if self.store.parallel_reads else 1, count))
         step = -(-count // threads)
         workers = [threading.Thread(target=read, args=(range(t * step, min(count, (t + 1) * step)),), daemon=True)
                    for t in range(threads)]
@@ -290,10 +293,12 @@ class KVConnector:
             self.log(f"kv connector: load of request {load.request_id!r} stopped at page {good} of "
                      f"{load.pages}: {error}")
         pages = buffers if good > load.first_page else {}
+        staged = time.monotonic()
         if self.stage is not None:
             pages, state = self.stage(pages), (None if state is None else self.stage(state))
             self._give_back(buffers)  # the stage copied them: the next load may reuse them
-        return LoadResult(load.request_id, load.first_page, load.pages, good, pages, state, error)
+        return LoadResult(load.request_id, load.first_page, load.pages, good, pages, state, error,
+                          time.monotonic() - staged)
 
     # ------------------------------------------------------------------------------------------------------------
     def save(self, build: Callable[[], list[Entry]]) -> None:

@@ -11,6 +11,8 @@ from .base import ConnectorError, Entry, EntryStore
 
 class HostMemoryStore(EntryStore):
     name = "host"
+    # 8 threads read an 8K-token 15B prefix (49k arrays of 32 KB) in 493 ms on an H200 host, one thread in 363.
+    parallel_reads = False
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes <= 0:
