@@ -250,11 +250,12 @@ class PrefixCache:
         if len(chain) <= start_page:
             return []
         branches = set()
+        key = chain[start_page]
         for other in itertools.islice(waiting, QUEUE_LOOKAHEAD):
-            if other is request:
-                continue
-            theirs = self.chain(other, start_page + 1)
-            if len(theirs) <= start_page or theirs[start_page] != chain[start_page]:
+            theirs = other.page_hashes
+            if len(theirs) <= start_page:
+                theirs = self.chain(other, start_page + 1)
+            if len(theirs) <= start_page or theirs[start_page] != key or other is request:
                 continue  # the common case, unrelated prompts: one comparison
             shared = self._shared_pages(request, other, end_page)
             if shared > start_page:
