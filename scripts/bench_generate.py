@@ -423,8 +423,8 @@ def run_kv_prefix(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             "tokens_loaded": loaded, "prefill_tokens": computed,
             "loaded_GB": round(bytes_loaded / 1e9, 3),
             "load_GB_s": round(bytes_loaded / 1e9 / first, 2) if loaded else 0.0,
-            "load_worker_ms": round(load_s * 1e3, 1), "load_copy_ms": round(stage_s * 1e3, 1), "local_hit_ttft_ms": round(local * 1e3, 1),
-            "first_token": token,
+            "load_worker_ms": round(load_s * 1e3, 1), "load_copy_ms": round(stage_s * 1e3, 1),
+            "local_hit_ttft_ms": round(local * 1e3, 1), "first_token": token,
         })
         rows[-1]["same_token"] = token == rows[0]["first_token"]  # loaded prefix vs recomputed, greedy
         rows[-1]["speedup"] = round(rows[0]["ttft_ms"] / rows[-1]["ttft_ms"], 2)

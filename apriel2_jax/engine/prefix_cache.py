@@ -229,11 +229,18 @@ class PrefixCache:
             k += 1
         return k
 
-    def _shared_pages(self, request: "Request", other: "Request", pages: int) -> int:
-        """How many leading full pages (at most ``pages``) ``request`` and ``other`` have in common. A chain hash
-        names its whole prefix, so sharing page ``k`` means sharing every page before it: a binary search."""
-        mine, theirs = self.chain(request, pages), self.chain(other, pages)
-        lo, hi = 0, min(pages, len(mine), len(theirs))
+    def _shared_beyond(self, mine: list[bytes], other: "Request", first: int, pages: int) -> int:
+        """How many leading full pages (at most ``pages``) the chain ``mine`` and request ``other`` have in
+        common, or 0 when they do not share page ``first`` (one comparison: the common case, unrelated prompts).
+        A chain hash names its whole prefix, so sharing page ``k`` means sharing every page before it: a binary
+        search."""
+        theirs = other.page_hashes
+        if len(theirs) <= first:
+            theirs = self.chain(other, first + 1)
+        if len(mine) <= first or len(theirs) <= first or mine[first] != theirs[first]:
+            return 0
+        theirs = self.chain(other, pages)
+        lo, hi = first + 1, min(pages, len(mine), len(theirs))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if mine[mid - 1] == theirs[mid - 1]:
@@ -243,24 +250,13 @@ class PrefixCache:
         return lo
 
     def _queued_branches(self, request: "Request", waiting: Iterable["Request"], start_page: int,
-                         end_page: int) -> list[int]:
+                         end_page: int) -> set[int]:
         """Boundaries in (start_page, end_page] where the request's prefix stops being shared with a queued
         request (the first ``QUEUE_LOOKAHEAD`` of ``waiting``), or ``end_page`` where it is shared beyond."""
-        chain = self.chain(request, end_page)
-        if len(chain) <= start_page:
-            return []
-        branches = set()
-        key = chain[start_page]
-        for other in itertools.islice(waiting, QUEUE_LOOKAHEAD):
-            theirs = other.page_hashes
-            if len(theirs) <= start_page:
-                theirs = self.chain(other, start_page + 1)
-            if len(theirs) <= start_page or theirs[start_page] != key or other is request:
-                continue  # the common case, unrelated prompts: one comparison
-            shared = self._shared_pages(request, other, end_page)
-            if shared > start_page:
-                branches.add(shared)
-        return sorted(branches)
+        mine = self.chain(request, end_page)
+        shared = (self._shared_beyond(mine, other, start_page, end_page)
+                  for other in itertools.islice(waiting, QUEUE_LOOKAHEAD) if other is not request)
+        return {k for k in shared if k}
 
     def chunk_end(self, request: "Request", start: int, end: int, waiting: Iterable["Request"] = ()) -> int:
         """Where a prefill chunk [start, end) should end so that snapshots land where they are useful: at a
@@ -292,17 +288,13 @@ class PrefixCache:
         size = self.page_size
         limit = (request.num_tokens - 1) // size
         first = hit.tokens // size
-        chain = self.chain(request, limit)
-        if first >= min(limit, len(chain)):
+        if first >= limit:
             return False  # nothing past the hit that a snapshot could cover
-        key = chain[first]
+        mine = self.chain(request, limit)
         for other in running:
             if other is request or not other.prefix_cacheable or other.num_computed >= limit * size:
                 continue
-            theirs = self.chain(other, first + 1)
-            if len(theirs) <= first or theirs[first] != key:
-                continue  # shares no page past the hit
-            if other.num_computed < self._shared_pages(request, other, limit) * size:
+            if other.num_computed < self._shared_beyond(mine, other, first, limit) * size:
                 return True
         return False
 

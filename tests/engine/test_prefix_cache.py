@@ -118,7 +118,8 @@ def test_requests_submitted_together_compute_their_shared_prefix_once(hybrid):
     plain = _hybrid_engine(hybrid, enable_prefix_caching=False, **kw)
     shared = list(range(3, 23))
     prompts = [shared + [30 + i, 31 + i] for i in range(4)]
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert llm.stats.prefill_tokens == 22 + 3 * 2
     assert llm.stats.prefix.hit_tokens == 3 * 20
     assert llm.stats.prefix.family_hit_tokens["state"] == llm.stats.prefix.family_hit_tokens["full"] == 3 * 20

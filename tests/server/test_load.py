@@ -116,8 +116,8 @@ def test_streams_complete_while_others_disconnect_mid_stream(server, engine, wor
     after = _metrics(server)
 
     def ended(reason):
-        label = f'finish_reason="{reason}"'
-        return metric(after, "apriel2_requests_finished_total", label) - metric(before, "apriel2_requests_finished_total", label)
+        label, name = f'finish_reason="{reason}"', "apriel2_requests_finished_total"
+        return metric(after, name, label) - metric(before, name, label)
     assert ended("length") + ended("abort") == 32
     assert ended("abort") >= 1  # 400 tokens take many dispatches: at least one closed stream was aborted
 

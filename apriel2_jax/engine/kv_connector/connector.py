@@ -79,10 +79,10 @@ class KVConnector:
     def __init__(self, store: EntryStore, load_timeout: float = 30.0, load_workers: int = 2, read_threads: int = 8,
                  stage: Callable[[dict], dict] | None = None, log: Callable[[str], None] | None = None):
         """``read_threads``: entries of one load are read by this many threads when the store's
-        ``parallel_reads`` allows it (file reads and checksums release the GIL). ``stage``: applied on the load worker to the loaded arrays (e.g. a copy to
-        the device, so the engine loop does not wait for it). It must return copies, complete when it returns:
-        with it, loads reuse the host buffers of earlier loads (first touches of fresh pages, not the copies,
-        dominated the read time of an 8K-token prefix)."""
+        ``parallel_reads`` allows it (file reads and checksums release the GIL). ``stage``: applied on the load
+        worker to the loaded arrays (e.g. a copy to the device, so the engine loop does not wait for it). It must
+        return copies, complete when it returns: with it, loads reuse the host buffers of earlier loads (first
+        touches of fresh pages, not the copies, dominated the read time of an 8K-token prefix)."""
         if not load_timeout > 0:
             raise ValueError(f"kv load timeout must be > 0 seconds, got {load_timeout!r}")
         self.store = store
