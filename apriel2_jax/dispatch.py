@@ -29,6 +29,7 @@ _REFERENCE: dict[str, Callable] = {
     "selective_scan_varlen_slots": mamba.selective_scan_varlen_slots,
     "selective_scan_decode_slots": mamba.selective_scan_decode_slots,
     "paged_attention": paged_attention.paged_attention,
+    "rope_write_paged_attention": paged_attention.rope_write_paged_attention,
     "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,

@@ -34,6 +34,7 @@ def register_all() -> None:
     dispatch.register("causal_conv1d_varlen_slots", "gpu", causal_conv1d.varlen_slots)
     dispatch.register("causal_conv1d_decode_slots", "gpu", causal_conv1d.decode_slots)
     dispatch.register("paged_attention", "gpu", paged_attention)
+    dispatch.register("rope_write_paged_attention", "gpu", paged_attention_decode.rope_write_paged_attention)
     # The fused decode projections (``pallas_kernels.decode_matmul``: norm + Q/K/V + RoPE + page writes, norm +
     # gate/up, matmul + residual) are not registered either: they take kernels out of the step (all-attention
     # 0.5B, B=32, Q/K/V and o_proj fused: 266 GPU events per step against 362 unfused, two runs) but stream weights slower

@@ -105,19 +105,31 @@ def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
     return max(1, min(want, most))
 
 
-def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, rows, page_size, block_tokens,
-            width, head_dim, window, splits, scale, precision, heads, interpret, prefetch_ids):
+def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
+            width, head_dim, window, splits, scale, precision, heads, interpret, prefetch_ids, new_token):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos = pos_ref[b]
     first = first_ref[b]
 
+    if new_token:
+        kn_ref, vn_ref, cos_ref, sin_ref, slot_ref, *out_refs = refs
+    else:
+        out_refs = refs
+
     # Visible key positions: [lo, hi), inside the table's span [first * page_size, (first + width) * page_size).
     hi = jnp.clip(pos + 1, first * page_size, (first + width) * page_size)
     lo = first * page_size if window is None else jnp.clip(pos - window + 1, first * page_size, hi)
+    if new_token:
+        # The new token (position pos) comes from the inputs, not the pages it is written to in this kernel: the
+        # loop covers [lo, pos) and split 0 starts its softmax from the new key. The key is visible where the
+        # reference would see it: inside the range, its page a real table entry.
+        column = jnp.clip(pos // page_size - first, 0, width - 1)
+        new_ok = (pos >= lo) & (pos < hi) & (table_ref[b, column] != 0)
+        hi = jnp.minimum(hi, pos)
     # This split's share, a whole number of blocks so only the last block of the last split is partial.
-    chunk = pl.cdiv(pl.cdiv(hi - lo, splits), block_tokens) * block_tokens
+    chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_tokens) * block_tokens
     start = lo + s * chunk
     end = jnp.minimum(start + chunk, hi)
     iters = pl.cdiv(jnp.maximum(end - start, 0), block_tokens)
@@ -128,6 +140,31 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
     cols = jnp.arange(head_dim, dtype=jnp.int32)
     q = pltriton.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
     kv_cols = g * head_dim + cols
+    if new_token:
+        # RoPE as ``ops.rope.apply_rope``: x * cos + rotate_half(x) * sin, each op rounded to the dtype.
+        half = head_dim // 2
+        swapped = (cols + half) % head_dim
+        sign = jnp.where(cols < half, -1.0, 1.0).astype(F32)
+        cos = cos_ref[b, :].astype(F32)
+        sin = sin_ref[b, :].astype(F32)
+
+        def rope(x, x_swapped):
+            a = (x.astype(F32) * cos).astype(x.dtype).astype(F32)
+            c = ((sign * x_swapped.astype(F32)) * sin).astype(x.dtype).astype(F32)
+            return (a + c).astype(x.dtype)
+
+        q_swapped = pltriton.load(q_ref.at[b, q_rows[:, None], swapped[None, :]], mask=row_ok[:, None], other=0)
+        q = rope(q, q_swapped)
+        k_new = rope(kn_ref[b, g, :], pltriton.load(kn_ref.at[b, g, swapped]))
+        v_new = vn_ref[b, g, :]
+        k_out_ref, v_out_ref = out_refs[-2:]
+        out_refs = out_refs[:-2]
+
+        @pl.when(s == 0)
+        def _():
+            slot = slot_ref[b]
+            pltriton.store(k_out_ref.at[slot, kv_cols], k_new)
+            pltriton.store(v_out_ref.at[slot, kv_cols], v_new)
 
     tok = jnp.arange(block_tokens, dtype=jnp.int32)
 
@@ -166,6 +203,14 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
         return (acc * alpha[:, None] + pv, m_new, l, *queue)
 
     init = (jnp.zeros((rows, head_dim), F32), jnp.full((rows,), _M_INIT, F32), jnp.zeros((rows,), F32))
+    if new_token:
+        first_split = jnp.broadcast_to(new_ok & (s == 0), (rows,))
+        score = jnp.sum(q.astype(F32) * k_new.astype(F32)[None, :], axis=1) * (scale * _LOG2E)  # [R]
+        init = (
+            jnp.where(first_split[:, None], jnp.broadcast_to(v_new.astype(F32)[None, :], (rows, head_dim)), 0.0),
+            jnp.where(first_split, score, _M_INIT),
+            first_split.astype(F32),
+        )
     for j in range(prefetch_ids):
         init += block_rows(j)
     acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
@@ -186,11 +231,10 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, rep, 
         pltriton.store(l_ref.at[b, s, out_rows], l, mask=row_ok)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids",
-                     "interpret"),
-)
+_STATIC = ("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_decode(
     q: jax.Array,
     k_pages: jax.Array,
@@ -212,17 +256,78 @@ def paged_attention_decode(
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
-    64 for 2-byte dtypes, 32 for fp32; at D = 128 bf16 that is 16 KB of K and 16 KB of V per stage); splits: K-splits per (row, KV head) (default: ``choose_splits``);
-    num_warps (default 4, 8 for fp32, whose IEEE dots run on FMAs and need the registers) / num_stages: Triton's;
-    prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
-    Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
-    wait on the table load) and 2 defeats the pipeliner (synchronous K/V loads). Swept by the benchmark.
+    64 for 2-byte dtypes, 32 for fp32; at D = 128 bf16 that is 16 KB of K and 16 KB of V per stage); splits:
+    K-splits per (row, KV head) (default: ``choose_splits``); num_warps (default 4, 8 for fp32, whose IEEE dots
+    run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page ids
+    are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep num_stages - 1
+    K/V blocks in flight; 0 leaves one (the K/V addresses wait on the table load) and 2 defeats the pipeliner
+    (synchronous K/V loads). Swept by the benchmark.
     """
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
-    reason = unsupported_reason(q, k_pages, v_pages, block_table, first_page, q_positions)
+    out, _ = _launch(q[:, 0], k_pages, v_pages, block_table, first_page, q_positions, window, None,
+                     block_tokens=block_tokens, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                     min_programs=min_programs, prefetch_ids=prefetch_ids, interpret=interpret)
+    return out[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rope_write_paged_attention_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slots: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    first_page: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+    *,
+    block_tokens: int | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 3,
+    min_programs: int = 1024,
+    prefetch_ids: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode step of an attention layer after its projections, in one kernel: RoPE on the new query and key,
+    the new key and value written to their page slot, and attention over the pages plus the new token (the
+    reference ``apriel2_jax.ops.paged_attention.rope_write_paged_attention``). q: [B, H, D]; k, v: [B, G, D]
+    (before RoPE); cos, sin: [B, D]; slots: [B] flat page slot of each row's token (padding rows: the sink page);
+    the rest and the keyword options as ``paged_attention_decode``. Returns the output [B, H, D] and the pages,
+    updated in place (the pool buffers are aliased to the outputs).
+
+    Attention never reads the slot written here: its loop covers the keys before the new position, and the new
+    key and value enter split 0's softmax from registers, so no program waits on another's write."""
+    _check_inputs(q[:, None], k_pages, v_pages, block_table, first_page, q_positions, window)
+    batch, heads, head_dim = q.shape
+    groups = k_pages.shape[2]
+    for name, x, shape in (("k", k, (batch, groups, head_dim)), ("v", v, (batch, groups, head_dim)),
+                           ("cos", cos, (batch, head_dim)), ("sin", sin, (batch, head_dim)), ("slots", slots, (batch,))):
+        if x.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(x.shape)}")
+    for name, x in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    out, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window,
+                         (k, v, cos, sin, slots.astype(jnp.int32)), block_tokens=block_tokens, splits=splits,
+                         num_warps=num_warps, num_stages=num_stages, min_programs=min_programs,
+                         prefetch_ids=prefetch_ids, interpret=interpret)
+    return out, *pages
+
+
+def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *,
+            block_tokens: int | None = None, splits: int | None = None, num_warps: int | None = None,
+            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False):
+    """q: [B, H, D]. Returns the output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots), the pages
+    with the new keys and values written (else None)."""
+    reason = unsupported_reason(q[:, None], k_pages, v_pages, block_table, first_page, q_positions)
     if reason is not None:
         raise ValueError(f"paged_attention_decode: {reason}")
-    batch, _, heads, head_dim = q.shape
+    batch, heads, head_dim = q.shape
     num_pages, page_size, groups, _ = k_pages.shape
     width = block_table.shape[1]
     rep = heads // groups
@@ -247,31 +352,44 @@ def paged_attention_decode(
         block_tokens=block_tokens, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, interpret=interpret,
-        prefetch_ids=prefetch_ids,
+        prefetch_ids=prefetch_ids, new_token=new_token is not None,
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch, out_heads, head_dim), q.dtype)
+        out_shape = [jax.ShapeDtypeStruct((batch, out_heads, head_dim), q.dtype)]
     else:
-        out_shape = (
+        out_shape = [
             jax.ShapeDtypeStruct((batch, splits, out_heads, head_dim), F32),
             jax.ShapeDtypeStruct((batch, splits, out_heads), F32),
             jax.ShapeDtypeStruct((batch, splits, out_heads), F32),
-        )
+        ]
     # Pool viewed as token rows [P * page_size, G * D] (a free reshape): one gather index per token.
     k_rows = k_pages.reshape(num_pages * page_size, groups * head_dim)
     v_rows = v_pages.reshape(num_pages * page_size, groups * head_dim)
+    inputs = [q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32), q,
+              k_rows, v_rows]
+    aliases = {}
+    name = f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}"
+    if new_token is not None:
+        inputs += list(new_token)
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}  # the pools, written in place
+        out_shape += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
+        name = "rope_write_" + name
     out = pl.pallas_call(
         kernel,
         grid=(groups, splits, batch),
-        out_shape=out_shape,
+        out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}",
-    )(q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32),
-      q[:, 0], k_rows, v_rows)
+        name=name,
+    )(*inputs)
+    pages = None
+    if new_token is not None:
+        pages = (out[-2].reshape(k_pages.shape), out[-1].reshape(v_pages.shape))
+        out = out[:-2]
     if splits == 1:
-        return out[:, None, :heads]
+        return out[0][:, :heads], pages
     acc, m, l = (x[:, :, :heads] for x in out)
     # Merge the splits (flash-decoding): rescale each split to the common max. Empty splits have m = -1e30 and
     # l = 0, so they weigh nothing; a row with no visible key at all gets l = 0 and a zero output.
@@ -280,7 +398,7 @@ def paged_attention_decode(
     l_sum = jnp.sum(w * l, axis=1)
     o_sum = jnp.sum(w[..., None] * acc, axis=1)
     o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
-    return o.astype(q.dtype)[:, None]
+    return o.astype(q.dtype), pages
 
 
 def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
@@ -292,3 +410,17 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     window = None if window is None else int(window)  # a static jit argument: one compile per window width
     return paged_attention_decode(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+
+
+def rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block_table, first_page, q_positions,
+                               window=None):
+    """Dispatch entry for "rope_write_paged_attention": the fused kernel where the decode kernel takes the shapes,
+    else the reference chain."""
+    from apriel2_jax.ops import paged_attention as reference
+
+    if unsupported_reason(q[:, None], k_pages, v_pages, block_table, first_page, q_positions) is not None:
+        return reference.rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block_table,
+                                                    first_page, q_positions, window)
+    window = None if window is None else int(window)
+    return rope_write_paged_attention_decode(q, k, v, cos, sin, slots, k_pages, v_pages, block_table, first_page,
+                                             q_positions, window)

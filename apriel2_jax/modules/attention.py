@@ -33,22 +33,35 @@ class Attention(nnx.Module):
         shape = (num_pages, page_size, self.cfg.head_groups, self.cfg.head_size)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
+    def _projections(self, x: jax.Array):
         cfg = self.cfg
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, cfg.heads, cfg.head_size)
         k = self.k_proj(x).reshape(batch, length, cfg.head_groups, cfg.head_size)
         v = self.v_proj(x).reshape(batch, length, cfg.head_groups, cfg.head_size)
-        cos, sin = rope_cos_sin(positions, cfg.head_size, cfg.rotary.theta, x.dtype)
+        return q, k, v
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        q, k, v = self._projections(x)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rotary.theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def paged(self, x: jax.Array, batch, pages: dict[str, jax.Array]):
-        """Engine path: write the new K/V into this family's pages, then attend through the block tables."""
+        """Engine path: write the new K/V into this family's pages, then attend through the block tables. Decode
+        (one token per row) hands RoPE, the page writes and attention to one op, a single kernel on GPU."""
         cfg = self.cfg
         rows, length, _ = x.shape
-        q, k, v = self._qkv(x, batch.positions)
         table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
+        if length == 1:
+            q, k, v = (t[:, 0] for t in self._projections(x))
+            cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
+            out, k_pages, v_pages = op("rope_write_paged_attention")(
+                q, k, v, cos, sin, slots[:, 0], pages["k"], pages["v"], table, first, batch.positions,
+                cfg.window_size,
+            )
+            return self.o_proj(out.reshape(rows, 1, cfg.heads * cfg.head_size)), {"k": k_pages, "v": v_pages}
+        q, k, v = self._qkv(x, batch.positions)
         pages = {"k": write_pages(pages["k"], k, slots), "v": write_pages(pages["v"], v, slots)}
         out = op("paged_attention")(q, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size)
         return self.o_proj(out.reshape(rows, length, cfg.heads * cfg.head_size)), pages

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import attention
+from .rope import apply_rope
 
 SINK_PAGE = 0
 
@@ -80,3 +81,32 @@ def paged_attention(
     kv_positions = (logical[:, :, None] * page_size + jnp.arange(page_size)).reshape(batch, width * page_size)
     kv_valid = jnp.repeat(block_table != SINK_PAGE, page_size, axis=1)
     return attention(q, k, v, q_positions, kv_positions, kv_valid, window)
+
+
+def rope_write_paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slots: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    first_page: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An attention layer's decode step after its projections (one token per row): RoPE on the new query and
+    key, the new key and value written to their page slot, then attention through the block tables. A GPU kernel
+    does all of it at once (the chain ran as ~7 kernels per layer).
+
+    q: [S, H, D]; k, v: [S, G, D], before RoPE; cos, sin: [S, D] (``rope_cos_sin`` of the rows' positions);
+    slots: [S] flat page slot of each row's token (``page_slots``; padding rows point into the sink page);
+    the rest as ``paged_attention`` with q_positions [S, 1]. Returns the output [S, H, D] and the pages."""
+    q = apply_rope(q[:, None], cos[:, None], sin[:, None])
+    k = apply_rope(k[:, None], cos[:, None], sin[:, None])
+    k_pages = write_pages(k_pages, k, slots[:, None])
+    v_pages = write_pages(v_pages, v[:, None], slots[:, None])
+    out = paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window)
+    return out[:, 0], k_pages, v_pages

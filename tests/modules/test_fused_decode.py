@@ -61,3 +61,33 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
         for mixer in [active(block.mixer, mixer_name)]
     )
     assert (fused_chains_as_kernels["norm_qkv_rope_write"] > 0) == plain_attention
+
+
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(case_name, monkeypatch):
+    """The Pallas kernel for RoPE + page write + attention (interpret mode, registered as this backend's kernel)
+    in the engine's decode steps: every placement's greedy tokens of a case with full and sliding-window attention
+    layers."""
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape)
+        window = args[-1]
+        return rope_write_paged_attention_decode(*args[:-1], None if window is None else int(window), interpret=True)
+
+    kernels = dict(dispatch._KERNELS)
+    kernels[("rope_write_paged_attention", "cpu")] = kernel
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    case, model, _ = golden_model(case_name)
+    llm = LLM(model=model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8,
+              max_prefill_rows=2, page_size=4, cache_bytes=4 * 2**20, warm_up=False, log=lambda msg: None,
+              buckets=Buckets((2,), (2,), (8,)), placements=case.placements)
+    prompts = [[int(t) for t in case.input_ids[r, : case.prompt_len]] for r in (0, 1)]
+    for name in case.placements:
+        llm.set_placement(name)
+        outputs = llm.generate(prompts, SamplingParams.greedy(max_new_tokens=8, ignore_eos=True))
+        np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids[name],
+                                      err_msg=f"{case_name}/{name}")
+    assert calls  # decode steps went through the kernel

@@ -136,3 +136,88 @@ def test_choose_splits_fills_the_gpu_only_with_long_enough_splits():
     assert choose_splits(8, 8, 32768, 64) == 16  # enough programs (1024) long before the split length binds
     assert choose_splits(256, 8, 32768, 64) == 1
     assert choose_splits(1, 1, 100, 64) == 1
+
+
+# ------------------------------------------------------------------ RoPE + page write + attention in one kernel
+
+
+def _new_token_inputs(seed, heads, groups, page_size, dtype=jnp.float32):
+    """The four rows of ``_inputs`` as a decode step before RoPE: new keys and values, cos/sin of the positions,
+    each row's slot (row 3 is padding: the sink slot)."""
+    from apriel2_jax.ops.paged_attention import page_slots
+    from apriel2_jax.ops.rope import rope_cos_sin
+
+    x = _inputs(seed, heads, groups, page_size, dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    head_dim = x["q"].shape[-1]
+    positions = x["q_positions"]
+    token_mask = jnp.asarray([[True], [True], [True], [False]])
+    slots = page_slots(positions, token_mask, x["block_table"], x["first_page"], page_size)[:, 0]
+    cos, sin = rope_cos_sin(positions[:, 0], head_dim, 10000.0, dtype)
+    new = lambda: jnp.asarray(rng.standard_normal((4, groups, head_dim)), dtype)  # noqa: E731
+    return dict(q=x["q"][:, 0], k=new(), v=new(), cos=cos, sin=sin, slots=slots, k_pages=x["k_pages"],
+                v_pages=x["v_pages"], block_table=x["block_table"], first_page=x["first_page"], q_positions=positions)
+
+
+@pytest.mark.parametrize(
+    "dtype, heads, groups, page_size, window, kw, tol",
+    [
+        (jnp.float32, 8, 2, 8, None, dict(splits=3), 1e-5),  # the new key in split 0, keys before it in 3 splits
+        (jnp.float32, 7, 1, 16, 20, dict(splits=1, block_tokens=16), 1e-5),  # one split writes the output itself
+        (jnp.bfloat16, 8, 2, 16, None, dict(splits=2, block_tokens=16), 2e-2),
+    ],
+)
+def test_rope_write_attention_matches_the_chain_and_writes_only_its_slots(dtype, heads, groups, page_size, window,
+                                                                         kw, tol):
+    from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
+
+    x = _new_token_inputs(5, heads, groups, page_size, dtype)
+    out, k_pages, v_pages = rope_write_paged_attention_decode(**x, window=window, interpret=True, **kw)
+    ref, k_ref, v_ref = chain(**x, window=window)
+    assert out.shape == ref.shape and out.dtype == dtype and k_pages.shape == x["k_pages"].shape
+    assert _rel(out[:3], ref[:3]) <= tol
+    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)  # padding: no visible key, zero output
+    flat = lambda a: np.asarray(a, np.float32).reshape(-1, a.shape[2] * a.shape[3])  # noqa: E731
+    written = np.zeros(flat(k_ref).shape[0], bool)
+    written[np.asarray(x["slots"])] = True
+    for got, want, before in ((k_pages, k_ref, x["k_pages"]), (v_pages, v_ref, x["v_pages"])):
+        # The rows' slots hold the rotated keys and the values (to the dtype's last bit: RoPE's rounding order);
+        # every other slot is untouched.
+        np.testing.assert_allclose(flat(got)[written], flat(want)[written], rtol=tol, atol=tol)
+        np.testing.assert_array_equal(flat(got)[~written], flat(before)[~written])
+        assert not np.array_equal(flat(got)[written][:3], flat(before)[written][:3])
+
+
+def test_rope_write_attention_entry_falls_back_and_rejects_bad_inputs():
+    from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention, rope_write_paged_attention_decode
+
+    odd = _new_token_inputs(6, 4, 2, 16)
+    odd = dict(odd, q=odd["q"][..., :12], k=odd["k"][..., :12], v=odd["v"][..., :12], cos=odd["cos"][:, :12],
+               sin=odd["sin"][:, :12], k_pages=odd["k_pages"][..., :12], v_pages=odd["v_pages"][..., :12])
+    for got, want in zip(rope_write_paged_attention(**odd), chain(**odd)):  # head_dim 12: the chain runs
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    x = _new_token_inputs(6, 4, 2, 16)
+    with pytest.raises(ValueError, match="slots"):
+        rope_write_paged_attention_decode(**dict(x, slots=x["slots"][:2]), interpret=True)
+    with pytest.raises(ValueError, match="cos"):
+        rope_write_paged_attention_decode(**dict(x, cos=x["cos"].astype(jnp.bfloat16)), interpret=True)
+
+
+def test_rope_write_attention_cross_lowers_for_cuda():
+    """The 0.5B geometry's attention (14 query heads over 2 KV heads, D = 64), 32 rows, bf16."""
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
+
+    S = jax.ShapeDtypeStruct
+    batch, heads, groups, dim, page_size, width = 32, 14, 2, 64, 16, 69
+    pages = batch * width + 1
+    bf = jnp.bfloat16
+    args = (S((batch, heads, dim), bf), S((batch, groups, dim), bf), S((batch, groups, dim), bf), S((batch, dim), bf),
+            S((batch, dim), bf), S((batch,), jnp.int32), S((pages, page_size, groups, dim), bf),
+            S((pages, page_size, groups, dim), bf), S((batch, width), jnp.int32), S((batch,), jnp.int32),
+            S((batch, 1), jnp.int32))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = rope_write_paged_attention_decode.trace(*args).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text().lower()
