@@ -48,15 +48,17 @@ class Attention(nnx.Module):
 
     def paged(self, x: jax.Array, batch, pages: dict[str, jax.Array]):
         """Engine path: write the new K/V into this family's pages, then attend through the block tables. Decode
-        (one token per row) hands RoPE, the page writes and attention to one op, a single kernel on GPU."""
+        (one token per row) runs RoPE, the page writes and attention as one kernel where the backend has it
+        (``ops.paged_attention.rope_write_paged_attention``: that chain ran as ~7 kernels per layer)."""
         cfg = self.cfg
         rows, length, _ = x.shape
         table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
-        if length == 1:
+        fused = kernel("rope_write_paged_attention") if length == 1 else None
+        if fused is not None:
             q, k, v = (t[:, 0] for t in self._projections(x))
             cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
-            out, k_pages, v_pages = op("rope_write_paged_attention")(
+            out, k_pages, v_pages = fused(
                 q, k, v, cos, sin, slots[:, 0], pages["k"], pages["v"], table, first, batch.positions,
                 cfg.window_size,
             )

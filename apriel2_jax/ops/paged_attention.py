@@ -98,8 +98,9 @@ def rope_write_paged_attention(
     window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """An attention layer's decode step after its projections (one token per row): RoPE on the new query and
-    key, the new key and value written to their page slot, then attention through the block tables. A GPU kernel
-    does all of it at once (the chain ran as ~7 kernels per layer).
+    key, the new key and value written to their page slot, then attention through the block tables: the oracle
+    of the GPU kernel that does all of it at once (the modules take that kernel through ``dispatch.kernel`` and
+    run this chain's dispatched ops where there is none).
 
     q: [S, H, D]; k, v: [S, G, D], before RoPE; cos, sin: [S, D] (``rope_cos_sin`` of the rows' positions);
     slots: [S] flat page slot of each row's token (``page_slots``; padding rows point into the sink page);

@@ -63,19 +63,22 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
     assert (fused_chains_as_kernels["norm_qkv_rope_write"] > 0) == plain_attention
 
 
-@pytest.mark.parametrize("case_name", golden_cases())
+@pytest.mark.parametrize("case_name", ["hybrid_all_mixers", "supernet_swa"])  # the cases with head_dim >= 16
 def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(case_name, monkeypatch):
     """The Pallas kernel for RoPE + page write + attention (interpret mode, registered as this backend's kernel)
-    in the engine's decode steps: every placement's greedy tokens of a case with full and sliding-window attention
-    layers."""
-    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
+    in the engine's decode steps: every placement's greedy tokens of the golden cases whose attention it takes
+    (full and sliding-window layers)."""
+    from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode, unsupported_reason
 
     calls = []
 
-    def kernel(*args):
-        calls.append(args[0].shape)
-        window = args[-1]
-        return rope_write_paged_attention_decode(*args[:-1], None if window is None else int(window), interpret=True)
+    def kernel(q, k, v, cos, sin, slots, k_pages, v_pages, table, first, positions, window):
+        if unsupported_reason(q[:, None], k_pages, v_pages, table, first, positions) is not None:
+            return chain(q, k, v, cos, sin, slots, k_pages, v_pages, table, first, positions, window)
+        calls.append(q.shape)
+        return rope_write_paged_attention_decode(q, k, v, cos, sin, slots, k_pages, v_pages, table, first, positions,
+                                                 None if window is None else int(window), interpret=True)
 
     kernels = dict(dispatch._KERNELS)
     kernels[("rope_write_paged_attention", "cpu")] = kernel
