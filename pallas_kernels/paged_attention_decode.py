@@ -106,15 +106,19 @@ def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
-            width, head_dim, window, splits, scale, precision, heads, interpret, prefetch_ids, new_token):
+            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, new_token):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos = pos_ref[b]
     first = first_ref[b]
 
-    if new_token:
+    if new_token == "packed":  # q_ref holds the query heads, then the G new keys, then the G new values
+        cos_ref, sin_ref, slot_ref, *out_refs = refs
+        kn_ref, kn_head, vn_ref, vn_head = q_ref, heads + g, q_ref, heads + groups + g
+    elif new_token:
         kn_ref, vn_ref, cos_ref, sin_ref, slot_ref, *out_refs = refs
+        kn_head = vn_head = g
     else:
         out_refs = refs
 
@@ -155,8 +159,8 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
 
         q_swapped = pltriton.load(q_ref.at[b, q_rows[:, None], swapped[None, :]], mask=row_ok[:, None], other=0)
         q = rope(q, q_swapped)
-        k_new = rope(kn_ref[b, g, :], pltriton.load(kn_ref.at[b, g, swapped]))
-        v_new = vn_ref[b, g, :]
+        k_new = rope(kn_ref[b, kn_head, :], pltriton.load(kn_ref.at[b, kn_head, swapped]))
+        v_new = vn_ref[b, vn_head, :]
         k_out_ref, v_out_ref = out_refs[-2:]
         out_refs = out_refs[:-2]
 
@@ -296,39 +300,54 @@ def rope_write_paged_attention_decode(
     """The decode step of an attention layer after its projections, in one kernel: RoPE on the new query and key,
     the new key and value written to their page slot, and attention over the pages plus the new token (the
     reference ``apriel2_jax.ops.paged_attention.rope_write_paged_attention``). q: [B, H, D]; k, v: [B, G, D]
-    (before RoPE); cos, sin: [B, D]; slots: [B] flat page slot of each row's token (padding rows: the sink page);
+    (before RoPE), or k = v = None with q [B, H + 2G, D] holding the keys and values after the query heads;
+    cos, sin: [B, D]; slots: [B] flat page slot of each row's token (padding rows: the sink page);
     the rest and the keyword options as ``paged_attention_decode``. Returns the output [B, H, D] and the pages,
     updated in place (the pool buffers are aliased to the outputs).
 
     Attention never reads the slot written here: its loop covers the keys before the new position, and the new
     key and value enter split 0's softmax from registers, so no program waits on another's write."""
-    _check_inputs(q[:, None], k_pages, v_pages, block_table, first_page, q_positions, window)
+    packed = k is None and v is None
     batch, heads, head_dim = q.shape
-    groups = k_pages.shape[2]
-    for name, x, shape in (("k", k, (batch, groups, head_dim)), ("v", v, (batch, groups, head_dim)),
-                           ("cos", cos, (batch, head_dim)), ("sin", sin, (batch, head_dim)), ("slots", slots, (batch,))):
-        if x.shape != shape:
-            raise ValueError(f"{name} must be {list(shape)}, got {list(x.shape)}")
-    for name, x in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+    groups = k_pages.shape[2] if k_pages.ndim == 4 else 1
+    if packed:
+        heads -= 2 * groups
+        if heads <= 0:
+            raise ValueError(f"q must be [B, H + 2G, D] with G = {groups} KV heads when k and v are None, got "
+                             f"{list(q.shape)}")
+    _check_inputs(jax.ShapeDtypeStruct((batch, 1, heads, head_dim), q.dtype), k_pages, v_pages, block_table,
+                  first_page, q_positions, window)
+    named = (("cos", cos, (batch, head_dim)), ("sin", sin, (batch, head_dim)))
+    if not packed:
+        named += (("k", k, (batch, groups, head_dim)), ("v", v, (batch, groups, head_dim)))
+    for name, x, shape in named + (("slots", slots, (batch,)),):
+        if x is None or x.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {None if x is None else list(x.shape)}")
+    for name, x, _ in named:
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    out, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window,
-                         (k, v, cos, sin, slots.astype(jnp.int32)), block_tokens=block_tokens, splits=splits,
+    new_token = (cos, sin, slots.astype(jnp.int32)) if packed else (k, v, cos, sin, slots.astype(jnp.int32))
+    out, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token,
+                         packed=packed, block_tokens=block_tokens, splits=splits,
                          num_warps=num_warps, num_stages=num_stages, min_programs=min_programs,
                          prefetch_ids=prefetch_ids, interpret=interpret)
     return out, *pages
 
 
-def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *,
+def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *, packed: bool = False,
             block_tokens: int | None = None, splits: int | None = None, num_warps: int | None = None,
             num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False):
-    """q: [B, H, D]. Returns the output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots), the pages
+    """q: [B, H, D] (``packed``: [B, H + 2G, D], the new keys and values after the query heads). Returns the
+    output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots) (``packed``: (cos, sin, slots)), the pages
     with the new keys and values written (else None)."""
-    reason = unsupported_reason(q[:, None], k_pages, v_pages, block_table, first_page, q_positions)
+    num_pages, page_size, groups, _ = k_pages.shape
+    batch, heads, head_dim = q.shape
+    if packed:
+        heads -= 2 * groups
+    reason = unsupported_reason(jax.ShapeDtypeStruct((batch, 1, heads, head_dim), q.dtype), k_pages, v_pages,
+                                block_table, first_page, q_positions)
     if reason is not None:
         raise ValueError(f"paged_attention_decode: {reason}")
-    batch, heads, head_dim = q.shape
-    num_pages, page_size, groups, _ = k_pages.shape
     width = block_table.shape[1]
     rep = heads // groups
     fp32 = q.dtype == jnp.float32
@@ -351,8 +370,8 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         _kernel, rep=rep, rows=rows, page_size=page_size,
         block_tokens=block_tokens, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
-        precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, interpret=interpret,
-        prefetch_ids=prefetch_ids, new_token=new_token is not None,
+        precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, groups=groups, interpret=interpret,
+        prefetch_ids=prefetch_ids, new_token=None if new_token is None else "packed" if packed else "separate",
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:
@@ -418,7 +437,9 @@ def rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block
     else the reference chain."""
     from apriel2_jax.ops import paged_attention as reference
 
-    if unsupported_reason(q[:, None], k_pages, v_pages, block_table, first_page, q_positions) is not None:
+    heads = q.shape[1] - (2 * k_pages.shape[2] if k is None else 0)
+    query = jax.ShapeDtypeStruct((q.shape[0], 1, heads, q.shape[2]), q.dtype)
+    if unsupported_reason(query, k_pages, v_pages, block_table, first_page, q_positions) is not None:
         return reference.rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block_table,
                                                     first_page, q_positions, window)
     window = None if window is None else int(window)

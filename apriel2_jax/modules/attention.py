@@ -56,7 +56,14 @@ class Attention(nnx.Module):
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
         fused = kernel("rope_write_paged_attention") if length == 1 else None
         if fused is not None:
-            q, k, v = (t[:, 0] for t in self._projections(x))
+            if rows == 1:
+                q, k, v = (t[:, 0] for t in self._projections(x))
+            else:
+                # XLA merges the three matmuls of several rows into one: their outputs side by side are that
+                # matmul's output, where three separate arrays would be three copies out of it. (One row's
+                # projections are separate reductions, which XLA would fuse into the concatenation instead.)
+                qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+                q, k, v = qkv.reshape(rows, cfg.heads + 2 * cfg.head_groups, cfg.head_size), None, None
             cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
             out, k_pages, v_pages = fused(
                 q, k, v, cos, sin, slots[:, 0], pages["k"], pages["v"], table, first, batch.positions,

@@ -102,9 +102,15 @@ def rope_write_paged_attention(
     of the GPU kernel that does all of it at once (the modules take that kernel through ``dispatch.kernel`` and
     run this chain's dispatched ops where there is none).
 
-    q: [S, H, D]; k, v: [S, G, D], before RoPE; cos, sin: [S, D] (``rope_cos_sin`` of the rows' positions);
+    q: [S, H, D]; k, v: [S, G, D], before RoPE, or k = v = None with q [S, H + 2G, D] holding the keys and values
+    after the query heads (the projections' outputs side by side: a merged Q/K/V matmul's output needs no copies
+    to split it); cos, sin: [S, D] (``rope_cos_sin`` of the rows' positions);
     slots: [S] flat page slot of each row's token (``page_slots``; padding rows point into the sink page);
     the rest as ``paged_attention`` with q_positions [S, 1]. Returns the output [S, H, D] and the pages."""
+    if k is None and v is None:
+        groups = k_pages.shape[2]
+        heads = q.shape[1] - 2 * groups
+        q, k, v = q[:, :heads], q[:, heads : heads + groups], q[:, heads + groups :]
     q = apply_rope(q[:, None], cos[:, None], sin[:, None])
     k = apply_rope(k[:, None], cos[:, None], sin[:, None])
     k_pages = write_pages(k_pages, k, slots[:, None])

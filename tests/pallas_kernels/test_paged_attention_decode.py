@@ -160,21 +160,26 @@ def _new_token_inputs(seed, heads, groups, page_size, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize(
-    "dtype, heads, groups, page_size, window, kw, tol",
+    "dtype, heads, groups, page_size, window, packed, kw, tol",
     [
-        (jnp.float32, 8, 2, 8, None, dict(splits=3), 1e-5),  # the new key in split 0, keys before it in 3 splits
-        (jnp.float32, 7, 1, 16, 20, dict(splits=1, block_tokens=16), 1e-5),  # one split writes the output itself
-        (jnp.bfloat16, 8, 2, 16, None, dict(splits=2, block_tokens=16), 2e-2),
+        (jnp.float32, 8, 2, 8, None, False, dict(splits=3), 1e-5),  # the new key in split 0, the rest in 3 splits
+        (jnp.float32, 7, 1, 16, 20, True, dict(splits=1, block_tokens=16), 1e-5),  # one split writes the output
+        (jnp.bfloat16, 8, 2, 16, None, False, dict(splits=2, block_tokens=16), 2e-2),
     ],
 )
 def test_rope_write_attention_matches_the_chain_and_writes_only_its_slots(dtype, heads, groups, page_size, window,
-                                                                         kw, tol):
+                                                                         packed, kw, tol):
     from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
     from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
 
     x = _new_token_inputs(5, heads, groups, page_size, dtype)
-    out, k_pages, v_pages = rope_write_paged_attention_decode(**x, window=window, interpret=True, **kw)
     ref, k_ref, v_ref = chain(**x, window=window)
+    if packed:  # the query heads, keys and values in one buffer
+        x = dict(x, q=jnp.concatenate([x["q"], x["k"], x["v"]], axis=1), k=None, v=None)
+        packed_ref = chain(**x, window=window)
+        for a, b in zip(packed_ref, (ref, k_ref, v_ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out, k_pages, v_pages = rope_write_paged_attention_decode(**x, window=window, interpret=True, **kw)
     assert out.shape == ref.shape and out.dtype == dtype and k_pages.shape == x["k_pages"].shape
     assert _rel(out[:3], ref[:3]) <= tol
     np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)  # padding: no visible key, zero output
@@ -203,6 +208,8 @@ def test_rope_write_attention_entry_falls_back_and_rejects_bad_inputs():
         rope_write_paged_attention_decode(**dict(x, slots=x["slots"][:2]), interpret=True)
     with pytest.raises(ValueError, match="cos"):
         rope_write_paged_attention_decode(**dict(x, cos=x["cos"].astype(jnp.bfloat16)), interpret=True)
+    with pytest.raises(ValueError, match="H \\+ 2G"):  # packed, but no room for query heads
+        rope_write_paged_attention_decode(**dict(x, q=x["q"][:, :4], k=None, v=None), interpret=True)
 
 
 def test_rope_write_attention_cross_lowers_for_cuda():
@@ -220,4 +227,7 @@ def test_rope_write_attention_cross_lowers_for_cuda():
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         lowered = rope_write_paged_attention_decode.trace(*args).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text().lower()
+        packed = (S((batch, heads + 2 * groups, dim), bf), None, None) + args[3:]  # Q/K/V heads in one buffer
+        lowered = rope_write_paged_attention_decode.trace(*packed).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text().lower()
