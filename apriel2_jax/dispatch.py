@@ -48,6 +48,13 @@ def register(name: str, platform: str, fn: Callable) -> None:
     _KERNELS[(name, platform)] = fn
 
 
+def unregister(name: str, platform: str | None = None) -> None:
+    """Drop the kernel for ``name`` on ``platform`` (default: the default backend), so its callers take the
+    reference (or, for fused ops, the unfused chain): benchmarks use it for side-by-side baselines."""
+    kernel(name)  # imports the GPU kernels first, so a later import cannot register it again
+    _KERNELS.pop((name, platform or jax.default_backend()), None)
+
+
 _kernels_imported = False
 
 

@@ -47,6 +47,7 @@ from flax import nnx  # noqa: E402
 
 from apriel2_jax.benchmarking import (append_jsonl, device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
                                       step_breakdown, trace_events)
+from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
@@ -105,8 +106,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
                     help="one row set per entry: 'none' (default) runs the one-device model, N splits it over N "
                     "devices through the tensor-parallel path (1: that path on one device, to measure its cost)")
+    ap.add_argument("--unfused-decode-attention", action="store_true",
+                    help="decode attention as the chain of dispatched ops (RoPE, page writes, the paged attention "
+                    "kernel) instead of the fused kernel: the side-by-side baseline of that kernel")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
+    if args.unfused_decode_attention:
+        dispatch.unregister("rope_write_paged_attention")
     args.tensor_parallel = [None if tp == "none" else int(tp) for tp in args.tensor_parallel]
 
     with open(os.path.join(args.config_dir, "config.json")) as f:

@@ -94,3 +94,12 @@ def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(c
         np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids[name],
                                       err_msg=f"{case_name}/{name}")
     assert calls  # decode steps went through the kernel
+
+
+def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):
+    monkeypatch.setattr(dispatch, "_KERNELS", dict(dispatch._KERNELS))
+    dispatch.register("rope_write_paged_attention", "cpu", decode_fused.matmul_add)  # any callable will do
+    assert dispatch.kernel("rope_write_paged_attention") is decode_fused.matmul_add
+    dispatch.unregister("rope_write_paged_attention")
+    assert dispatch.kernel("rope_write_paged_attention") is None
+    dispatch.unregister("rope_write_paged_attention")  # nothing registered: no error
