@@ -38,9 +38,8 @@ def fused_chains_as_kernels(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case_name", golden_cases())
-def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, fused_chains_as_kernels):
-    case, model, _ = golden_model(case_name)
+def _assert_engine_greedy_matches(case_name, case, model):
+    """The engine's greedy tokens (two rows, decode steps of two rows) equal the golden ones, every placement."""
     llm = LLM(model=model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8,
               max_prefill_rows=2, page_size=4, cache_bytes=4 * 2**20, warm_up=False, log=lambda msg: None,
               buckets=Buckets((2,), (2,), (8,)), placements=case.placements)
@@ -50,6 +49,12 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
         outputs = llm.generate(prompts, SamplingParams.greedy(max_new_tokens=8, ignore_eos=True))
         np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids[name],
                                       err_msg=f"{case_name}/{name}")
+
+
+@pytest.mark.parametrize("case_name", golden_cases())
+def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, fused_chains_as_kernels):
+    case, model, _ = golden_model(case_name)
+    _assert_engine_greedy_matches(case_name, case, model)
     # Every block's MLP took the fused chain (gated MLPs in every golden case); attention layers took theirs.
     assert fused_chains_as_kernels["norm_gated_mlp"] > 0
     assert fused_chains_as_kernels["matmul_add"] >= fused_chains_as_kernels["norm_gated_mlp"]
@@ -84,15 +89,7 @@ def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(c
     kernels[("rope_write_paged_attention", "cpu")] = kernel
     monkeypatch.setattr(dispatch, "_KERNELS", kernels)
     case, model, _ = golden_model(case_name)
-    llm = LLM(model=model, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, max_chunk=8,
-              max_prefill_rows=2, page_size=4, cache_bytes=4 * 2**20, warm_up=False, log=lambda msg: None,
-              buckets=Buckets((2,), (2,), (8,)), placements=case.placements)
-    prompts = [[int(t) for t in case.input_ids[r, : case.prompt_len]] for r in (0, 1)]
-    for name in case.placements:
-        llm.set_placement(name)
-        outputs = llm.generate(prompts, SamplingParams.greedy(max_new_tokens=8, ignore_eos=True))
-        np.testing.assert_array_equal(np.array([o.token_ids for o in outputs]), case.greedy_ids[name],
-                                      err_msg=f"{case_name}/{name}")
+    _assert_engine_greedy_matches(case_name, case, model)
     assert calls  # decode steps went through the kernel
 
 
