@@ -34,7 +34,7 @@ _REFERENCE: dict[str, Callable] = {
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,
     "kda_decode_fused_slots": delta_rule.kda_decode_fused_slots,
-    "norm_qkv_rope_write": decode_fused.norm_qkv_rope_write,
+    "norm_projections": decode_fused.norm_projections,
     "norm_gated_mlp": decode_fused.norm_gated_mlp,
     "matmul_add": decode_fused.matmul_add,
 }

@@ -5,6 +5,7 @@ from apriel2_jax import dispatch
 
 from . import (
     causal_conv1d,
+    decode_gemv,
     delta_rule_decode,
     delta_rule_prefill,
     paged_attention_decode,
@@ -35,14 +36,12 @@ def register_all() -> None:
     dispatch.register("causal_conv1d_decode_slots", "gpu", causal_conv1d.decode_slots)
     dispatch.register("paged_attention", "gpu", paged_attention)
     dispatch.register("rope_write_paged_attention", "gpu", paged_attention_decode.rope_write_paged_attention)
-    # The fused decode projections (``pallas_kernels.decode_matmul``: norm + Q/K/V + RoPE + page writes, norm +
-    # gate/up, matmul + residual) are not registered either: they take kernels out of the step (all-attention
-    # 0.5B, B=32, Q/K/V and o_proj fused: 266 GPU events per step against 362 unfused, two runs) but stream weights slower
-    # than XLA's fusions (engine traces at B=1: the fused norm + gate/up at ~1.2 TB/s, XLA's gate/up alone at
-    # ~2.4). Engine decode step, apriel2-0.5b-shaped all-attention, context 1024, H200, 2026-11-24, side by
-    # side: unfused 1.117 / 1.561 ms (B=1 / B=32), Q/K/V and o_proj fused 1.143 / 1.560, all fused
-    # 1.403 / 1.682. Without a registration the modules run the unfused chain; the CPU tests run the fused path
-    # with the jnp chains.
+    # Decode projections of a few rows as GEMVs fused with the norm before them and the activation product or
+    # residual add after them (``decode_gemv``); each entry runs the jnp chain above its row limit
+    # (``decode_gemv.KERNEL_ROWS``), where XLA's tensor-core GEMMs stream the weights faster.
+    dispatch.register("norm_projections", "gpu", decode_gemv.norm_projections)
+    dispatch.register("norm_gated_mlp", "gpu", decode_gemv.norm_gated_mlp)
+    dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
     # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
     for name, fn in (
         ("gated_delta_rule", sequence_forms.gated_delta_rule),

@@ -109,10 +109,17 @@ def main(argv=None) -> int:
     ap.add_argument("--unfused-decode-attention", action="store_true",
                     help="decode attention as the chain of dispatched ops (RoPE, page writes, the paged attention "
                     "kernel) instead of the fused kernel: the side-by-side baseline of that kernel")
+    ap.add_argument("--xla-decode-projections", action="store_true",
+                    help="decode projections as XLA's fusions (norms, matmuls, activation product and residual adds "
+                    "apart) instead of the fused GEMV kernels of pallas_kernels/decode_gemv: their side-by-side "
+                    "baseline")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
+    if args.xla_decode_projections:
+        for name in ("norm_projections", "norm_gated_mlp", "matmul_add"):
+            dispatch.unregister(name)
     args.tensor_parallel = [None if tp == "none" else int(tp) for tp in args.tensor_parallel]
 
     with open(os.path.join(args.config_dir, "config.json")) as f:

@@ -76,9 +76,9 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(rows, length, cfg.heads * cfg.head_size)), pages
 
     def fused_decode(self, norm) -> Callable | None:
-        """The fused decode kernel for this layer and its input norm (``ops.decode_fused.norm_qkv_rope_write``),
-        or None where the chain must run unfused: no kernel on this backend, biases, or a LayerNorm."""
-        fused = kernel("norm_qkv_rope_write")
+        """The fused input norm + Q/K/V projections for this layer (``ops.decode_fused.norm_projections``), or
+        None where the chain must run unfused: no kernel on this backend, biases, or a LayerNorm."""
+        fused = kernel("norm_projections")
         if fused is None or not isinstance(norm, RMSNorm):
             return None
         if any(p.bias is not None for p in (self.q_proj, self.k_proj, self.v_proj)):
@@ -86,19 +86,21 @@ class Attention(nnx.Module):
         return fused
 
     def paged_decode_residual(self, fused, x: jax.Array, norm: RMSNorm, batch, pages: dict[str, jax.Array]):
-        """Engine decode (one token per row) from the residual stream ``x`` [S, 1, D]: the input norm, Q/K/V,
-        RoPE and the page writes in one kernel, then paged attention, then the output projection added to ``x``.
-        Returns the new residual stream and the pages."""
+        """Engine decode (one token per row) from the residual stream ``x`` [S, 1, D]: the input norm and Q/K/V
+        in one kernel (their outputs side by side, the layout the decode attention takes as one buffer), then
+        RoPE, the page writes and paged attention, then the output projection added to ``x``. Returns the new
+        residual stream and the pages."""
         cfg = self.cfg
         rows = x.shape[0]
+        qkv = fused(x[:, 0], norm.weight[...], norm.eps,
+                    (self.q_proj.weight[...], self.k_proj.weight[...], self.v_proj.weight[...]))
+        qkv = qkv.reshape(rows, cfg.heads + 2 * cfg.head_groups, cfg.head_size)
         cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
         table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])[:, 0]
-        q, k_pages, v_pages = fused(
-            x[:, 0], norm.weight[...], norm.eps, self.q_proj.weight[...], self.k_proj.weight[...],
-            self.v_proj.weight[...], cos, sin, slots, pages["k"], pages["v"],
+        out, k_pages, v_pages = op("rope_write_paged_attention")(
+            qkv, None, None, cos, sin, slots, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size
         )
-        out = op("paged_attention")(q[:, None], k_pages, v_pages, table, first, batch.positions, cfg.window_size)
         out = out.reshape(rows, cfg.heads * cfg.head_size)
         return residual_projection(self.o_proj, out, x), {"k": k_pages, "v": v_pages}
 

@@ -18,7 +18,7 @@ from apriel2_jax.placement import resolve_placement
 from tests.conftest import golden_cases
 from tests.helpers import golden_model
 
-FUSED = ("norm_qkv_rope_write", "norm_gated_mlp", "matmul_add")
+FUSED = ("norm_projections", "norm_gated_mlp", "matmul_add")
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
         for block, mixer_name in zip(model.model.decoder.blocks, resolve_placement(model.config, name, case.placements))
         for mixer in [active(block.mixer, mixer_name)]
     )
-    assert (fused_chains_as_kernels["norm_qkv_rope_write"] > 0) == plain_attention
+    assert (fused_chains_as_kernels["norm_projections"] > 0) == plain_attention
 
 
 @pytest.mark.parametrize("case_name", ["hybrid_all_mixers", "supernet_swa"])  # the cases with head_dim >= 16
@@ -91,6 +91,29 @@ def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(c
     case, model, _ = golden_model(case_name)
     _assert_engine_greedy_matches(case_name, case, model)
     assert calls  # decode steps went through the kernel
+
+
+def test_engine_greedy_through_the_gemv_kernels_matches_goldens(monkeypatch):
+    """The decode GEMV kernels (interpret mode, registered as this backend's kernels for every row count they
+    take) in the engine's decode steps of a golden case with attention, GDN, KDA and Mamba layers."""
+    from pallas_kernels import decode_gemv
+
+    calls = dict.fromkeys(FUSED, 0)
+
+    def interpreted(name):
+        def fn(*args):
+            if getattr(decode_gemv, f"{name}_unsupported")(*args) is not None:
+                return getattr(decode_fused, name)(*args)
+            calls[name] += 1
+            return getattr(decode_gemv, f"{name}_kernel")(*args, interpret=True)
+        return fn
+
+    kernels = dict(dispatch._KERNELS)
+    kernels.update({(name, "cpu"): interpreted(name) for name in FUSED})
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    case, model, _ = golden_model("hybrid_all_mixers")
+    _assert_engine_greedy_matches("hybrid_all_mixers", case, model)
+    assert all(calls.values()), calls
 
 
 def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):

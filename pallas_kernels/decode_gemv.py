@@ -1,0 +1,299 @@
+"""Decode-step projections for a few rows as weight-streaming GEMVs, fused with their neighbours, in Pallas (Triton
+backend): the kernels of the chains in ``apriel2_jax.ops.decode_fused`` (the jnp oracle, same signatures).
+
+Why. At one to a few rows a decode step's projections read every weight once and do almost no arithmetic, so
+their time is bytes over bandwidth plus the kernel's start and tail. XLA runs each as a reduce fusion (the MLP
+gate/up of the 0.5B geometry at ~2.4 TB/s, its down projection at ~2 TB/s and the attention projections far
+lower) with the norms, the activation product and the residual add as separate kernels around them.
+
+Design. One program per ``block_n`` output features (weight rows: the checkpoint's [out, in] layout keeps each
+row contiguous). It walks the input width in chunks, loads a [block_n, chunk] weight tile, multiplies it by each
+row's activations broadcast over the tile in fp32 and reduces over the chunk. No tensor-core dot: a dot's
+minimum of 16 rows would pad the step's rows and stage the tile through shared memory for nothing, since the
+weights are used once per row (``decode_matmul``'s dot kernels streamed at half this rate). The chunk loop is
+unrolled so each program issues its loads ahead of the arithmetic.
+
+- The RMSNorm is a prologue: each program sums the squares of its rows (a few KB, from L2), then normalises each
+  chunk as it loads it with the reference's roundings (fp32 normalisation, cast to the dtype, times the weight in
+  the dtype). The normalised activations never go to HBM.
+- Outputs are rounded where the reference rounds: the projection, then the activation product or residual add.
+
+fp32 inputs are multiplied and summed in fp32, so the kernels match the fp32 oracle to summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from apriel2_jax.ops import decode_fused as reference
+from apriel2_jax.ops.norms import _ACTIVATIONS
+
+F32 = jnp.float32
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element and its accumulators
+# The dispatch entries' limit per op: up to these rows the kernels beat XLA's fusions (H200, 0.5B geometry);
+# above them the entries run the jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
+KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
+_MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
+
+
+def _chunk(k_dim: int, chunk: int | None) -> int | None:
+    """The input-width chunk: the largest power of two <= ``chunk`` (default 256) dividing the width, at least
+    16; None where the width has no such divisor."""
+    limit = chunk or 256
+    for size in (512, 256, 128, 64, 32, 16):
+        if size <= limit and k_dim % size == 0:
+            return size
+    return None
+
+
+def _common_reason(x, weights) -> str | None:
+    if x.ndim != 2:
+        return "x must be [rows, features]"
+    if jnp.dtype(x.dtype) not in _DTYPES or any(w.dtype != x.dtype for w in weights):
+        return f"dtypes must be one of f32/bf16/f16 and equal (x {x.dtype}, weights {[str(w.dtype) for w in weights]})"
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return f"between 1 and {MAX_ROWS} rows (got {x.shape[0]})"
+    if any(w.ndim != 2 or w.shape[1] != x.shape[1] for w in weights):
+        return f"weights must be [out, {x.shape[1]}], got {[w.shape for w in weights]}"
+    if _chunk(x.shape[1], None) is None:
+        return f"input width {x.shape[1]} must be a multiple of 16"
+    return None
+
+
+def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
+    """rsqrt(mean(x^2) + eps) of each row in fp32 (every chunk loaded before the first sum)."""
+    xs = [[x_ref[r, pl.ds(c * chunk, chunk)] for c in range(k_dim // chunk)] for r in range(rows)]
+    scales = []
+    for row in xs:
+        total = sum(jnp.sum(x.astype(F32) * x.astype(F32)) for x in row)
+        scales.append(jax.lax.rsqrt(total / k_dim + eps))
+    return scales
+
+
+def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, norm=None):
+    """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``)
+    times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
+
+    Loads (weight tiles, the rows' activations, the norm weight) go out ``depth`` chunks at a time before any
+    product that uses them: a warp issues in order and stalls at the first product whose operands have not
+    arrived, so loads interleaved with products would leave one chunk in flight per warp. The norm's sums of squares come after the first group's loads are issued, so the
+    weights stream while it runs. Products accumulate elementwise and are reduced across the chunk once at the
+    end: a reduction per chunk synchronises the program's threads between its loads."""
+    accs = [[None] * len(weights) for _ in range(rows)]
+    chunks = k_dim // chunk
+    scales = None
+    for first in range(0, chunks, depth):
+        group = range(first, min(first + depth, chunks))
+        cols = {c: pl.ds(c * chunk, chunk) for c in group}
+        tiles = {c: [w_ref[tile_rows, cols[c]] for w_ref, tile_rows in weights] for c in group}
+        xs = {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group}
+        if norm is not None:
+            norm_ws = {c: norm[1][cols[c]] for c in group}
+            if scales is None:
+                scales = _row_scales(x_ref, norm[0], rows=rows, k_dim=k_dim, chunk=chunk)
+        for c in group:
+            for r in range(rows):
+                x = xs[c][r]
+                if norm is not None:
+                    normed = (x.astype(F32) * scales[r]).astype(x.dtype)
+                    x = (norm_ws[c].astype(F32) * normed.astype(F32)).astype(x.dtype)
+                x = x.astype(F32)[None, :]
+                for j, tile in enumerate(tiles[c]):
+                    product = tile.astype(F32) * x
+                    accs[r][j] = product if accs[r][j] is None else accs[r][j] + product
+    return [[jnp.sum(acc, axis=1) for acc in row] for row in accs]
+
+
+def _tile(n_dim: int, block_n: int, tile):
+    """The weight rows of output tile ``tile``: a slice where tiles divide the width, else clamped indices
+    (features past the width load the last row and are never stored)."""
+    if n_dim % block_n == 0:
+        return pl.ds(tile * block_n, block_n)
+    return jnp.minimum(tile * block_n + jnp.arange(block_n, dtype=jnp.int32), n_dim - 1)
+
+
+def _store(o_ref, r, tile, value, *, n_dim, block_n, offset=0):
+    """Row r's features ``[tile * block_n, +block_n)`` of an output of width ``n_dim`` (at column ``offset`` of
+    ``o_ref`` where tiles divide the width; a ragged last tile needs the output to itself)."""
+    if n_dim % block_n == 0:
+        o_ref[r, pl.ds(offset + tile * block_n, block_n)] = value.astype(o_ref.dtype)
+        return
+    feats = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    # Masked lanes keep in-bounds (clamped) addresses; the GPU never writes them. The interpreter writes old
+    # contents back there, after the real lanes' values in the same scatter, so a clamped duplicate could win:
+    # there the output carries ``block_n`` spare columns past its end and masked lanes address those.
+    spare = o_ref.shape[1] == n_dim + block_n
+    target = jnp.where(feats < n_dim, feats, n_dim + feats % block_n) if spare else jnp.minimum(feats, n_dim - 1)
+    pltriton.store(o_ref.at[r, target], value.astype(o_ref.dtype), mask=feats < n_dim)
+
+
+def _call(kernel, inputs, *, x, n_dim, block_n, grid, name, num_warps, interpret):
+    rows = x.shape[0]
+    width = n_dim + (block_n if interpret and n_dim % block_n else 0)
+    out = pl.pallas_call(
+        kernel,
+        grid=(grid,),
+        out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"{name}_k{x.shape[1]}",
+    )(*inputs)
+    return out[:, :n_dim] if width != n_dim else out
+
+
+# ---------------------------------------------------------------------------------------------- matmul_add
+
+
+def _matmul_add_kernel(x_ref, w_ref, res_ref, o_ref, *, rows, k_dim, chunk, depth, n_dim, block_n):
+    tile = pl.program_id(0)
+    rows_of_w = _tile(n_dim, block_n, tile)
+    residuals = [res_ref[r, rows_of_w] for r in range(rows)]  # loaded while the weights stream
+    accs = _gemv(x_ref, [(w_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth)
+    for r in range(rows):
+        out = residuals[r].astype(F32) + accs[r][0].astype(o_ref.dtype).astype(F32)
+        _store(o_ref, r, tile, out, n_dim=n_dim, block_n=block_n)
+
+
+def matmul_add_unsupported(x, weight, residual) -> str | None:
+    reason = _common_reason(x, (weight,))
+    if reason is None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype):
+        reason = f"residual must be [{x.shape[0]}, {weight.shape[0]}] {x.dtype}, got {residual.shape} {residual.dtype}"
+    return reason
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "depth", "block_n", "num_warps", "interpret"))
+def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: int = 8, block_n: int = 8,
+                      num_warps: int = 4, interpret: bool = False):
+    """``residual + x @ weight.T`` ([S, K] x [N, K] -> [S, N]) in one kernel, S <= MAX_ROWS."""
+    reason = matmul_add_unsupported(x, weight, residual)
+    if reason is not None:
+        raise ValueError(f"matmul_add: {reason}")
+    n_dim = weight.shape[0]
+    kernel = functools.partial(_matmul_add_kernel, rows=x.shape[0], k_dim=x.shape[1], chunk=_chunk(x.shape[1], chunk),
+                               depth=depth, n_dim=n_dim, block_n=block_n)
+    return _call(kernel, (x, weight, residual), x=x, n_dim=n_dim, block_n=block_n, grid=pl.cdiv(n_dim, block_n),
+                 name="gemv_add", num_warps=num_warps, interpret=interpret)
+
+
+def matmul_add(x, weight, residual):
+    """Dispatch entry for "matmul_add": the kernel where it takes the shapes, else the jnp chain."""
+    if matmul_add_unsupported(x, weight, residual) is not None or x.shape[0] > KERNEL_ROWS["matmul_add"]:
+        return reference.matmul_add(x, weight, residual)
+    return matmul_add_kernel(x, weight, residual)
+
+
+# ------------------------------------------------------------------------------------------ norm_gated_mlp
+
+
+def _gated_mlp_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, act, rows, k_dim, chunk, depth, n_dim,
+                      block_n):
+    tile = pl.program_id(0)
+    rows_of_w = _tile(n_dim, block_n, tile)
+    accs = _gemv(x_ref, [(wg_ref, rows_of_w), (wu_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk,
+                 depth=depth, norm=(eps, nw_ref))
+    dtype = o_ref.dtype
+    for r in range(rows):
+        gate, up = accs[r]
+        activated = _ACTIVATIONS[act](gate.astype(dtype).astype(F32)).astype(dtype)
+        _store(o_ref, r, tile, activated.astype(F32) * up.astype(dtype).astype(F32), n_dim=n_dim, block_n=block_n)
+
+
+def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | None:
+    reason = _common_reason(x, (w_gate, w_up))
+    if reason is None and w_gate.shape != w_up.shape:
+        reason = f"gate and up weights differ in shape: {w_gate.shape} vs {w_up.shape}"
+    if reason is None and act not in _MLP_ACTIVATIONS:
+        reason = f"activation {act!r} is not one of {_MLP_ACTIVATIONS}"
+    if reason is None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
+        reason = f"norm weight must be [{x.shape[1]}] {x.dtype}"
+    return reason
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "block_n", "num_warps", "interpret"))
+def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 8,
+                          block_n: int = 16, num_warps: int = 4, interpret: bool = False):
+    """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS."""
+    reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
+    if reason is not None:
+        raise ValueError(f"norm_gated_mlp: {reason}")
+    n_dim = w_gate.shape[0]
+    kernel = functools.partial(_gated_mlp_kernel, eps=eps, act=act, rows=x.shape[0], k_dim=x.shape[1],
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, n_dim=n_dim, block_n=block_n)
+    return _call(kernel, (x, norm_weight, w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
+                 grid=pl.cdiv(n_dim, block_n), name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
+
+
+def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
+    """Dispatch entry for "norm_gated_mlp"."""
+    if (norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) is not None
+            or x.shape[0] > KERNEL_ROWS["norm_gated_mlp"]):
+        return reference.norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act)
+    return norm_gated_mlp_kernel(x, norm_weight, float(eps), w_gate, w_up, act)
+
+
+# ---------------------------------------------------------------------------------------- norm_projections
+
+
+def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, block_n):
+    *w_refs, o_ref = refs
+    program = pl.program_id(0)
+    start, offset = 0, 0
+    for w_ref, width in zip(w_refs, widths):
+        tiles = width // block_n
+
+        @pl.when((program >= start) & (program < start + tiles))
+        def _(w_ref=w_ref, tile=program - start, offset=offset):
+            accs = _gemv(x_ref, [(w_ref, pl.ds(tile * block_n, block_n))], rows=rows, k_dim=k_dim, chunk=chunk,
+                         depth=depth, norm=(eps, nw_ref))
+            for r in range(rows):
+                _store(o_ref, r, tile, accs[r][0], n_dim=width, block_n=block_n, offset=offset)
+
+        start, offset = start + tiles, offset + width
+
+
+def _projection_tile(widths) -> int:
+    """The largest tile <= 16 output features dividing every projection's width (one program never spans two
+    projections)."""
+    for block_n in (16, 8, 4, 2, 1):
+        if all(w % block_n == 0 for w in widths):
+            return block_n
+    raise AssertionError("unreachable")
+
+
+def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:
+    reason = _common_reason(x, tuple(weights))
+    if reason is None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
+        reason = f"norm weight must be [{x.shape[1]}] {x.dtype}"
+    return reason
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "chunk", "depth", "block_n", "num_warps", "interpret"))
+def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None = None, depth: int = 8,
+                            block_n: int | None = None, num_warps: int = 4, interpret: bool = False):
+    """``concat([rmsnorm(x) @ w.T for w in weights], -1)`` ([S, D] -> [S, sum N_i]) in one kernel, S <= MAX_ROWS.
+    ``block_n`` must divide every width (default: the largest of 16, 8, ... that does)."""
+    reason = norm_projections_unsupported(x, norm_weight, eps, weights)
+    widths = tuple(w.shape[0] for w in weights)
+    block_n = block_n or _projection_tile(widths)
+    if reason is None and any(w % block_n for w in widths):
+        reason = f"block_n={block_n} does not divide the projection widths {widths}"
+    if reason is not None:
+        raise ValueError(f"norm_projections: {reason}")
+    kernel = functools.partial(_norm_projections_kernel, eps=eps, rows=x.shape[0], k_dim=x.shape[1],
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, block_n=block_n)
+    n_dim = sum(widths)
+    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=n_dim, block_n=block_n, grid=n_dim // block_n,
+                 name="gemv_norm_projections", num_warps=num_warps, interpret=interpret)
+
+
+def norm_projections(x, norm_weight, eps, weights):
+    """Dispatch entry for "norm_projections"."""
+    if norm_projections_unsupported(x, norm_weight, eps, weights) is not None or x.shape[0] > KERNEL_ROWS["norm_projections"]:
+        return reference.norm_projections(x, norm_weight, eps, weights)
+    return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))

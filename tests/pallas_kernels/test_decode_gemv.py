@@ -1,0 +1,93 @@
+"""Decode-step GEMV kernels (Triton backend): interpret mode against the jnp chains of
+``apriel2_jax.ops.decode_fused`` at small shapes that hit every path (several rows, a ragged last tile of output
+features, loads in several groups of chunks), the dispatch entries' fallbacks, and cross-lowering for CUDA at the
+0.5B and 15B geometries. One compile per kernel and dtype: the interpreter costs ~0.2 s per call here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from apriel2_jax.ops import decode_fused as reference
+from pallas_kernels import decode_gemv as kernels
+
+# fp32 sums in fp32: rounding-level agreement. bf16: one rounding of the output apart at most.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _rand(rng, dtype):
+    return lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_match_the_chains(dtype):
+    f = _rand(np.random.default_rng(0), dtype)
+    # 96 = 3 chunks of 32 loaded in groups of 2; 40 features: a ragged last tile of 16.
+    rows, width, features = 3, 96, 40
+    config = dict(chunk=32, depth=2, interpret=True)
+    x, weight, residual, norm = f(rows, width), f(features, width), f(rows, features), f(width)
+    out = kernels.matmul_add_kernel(x, weight, residual, block_n=16, **config)
+    assert out.shape == residual.shape and out.dtype == dtype
+    assert _rel(out, reference.matmul_add(x, weight, residual)) <= TOLERANCE[dtype]
+
+    gate, up = f(features, width), f(features, width)
+    out = kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", block_n=16, **config)
+    assert out.shape == (rows, features) and out.dtype == dtype
+    assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
+
+    # Q/K/V-like widths: 48 + 8 + 8 features in tiles of 8 (the largest dividing all three).
+    weights = (f(48, width), f(8, width), f(8, width))
+    out = kernels.norm_projections_kernel(x, norm, 1e-5, weights, **config)
+    assert out.shape == (rows, 64) and out.dtype == dtype
+    assert _rel(out, reference.norm_projections(x, norm, 1e-5, weights)) <= TOLERANCE[dtype]
+
+
+def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_take():
+    f = _rand(np.random.default_rng(2), jnp.float32)
+    x, weight, residual = f(2, 32), f(16, 32), f(2, 16)
+    # A residual of another dtype, an activation the kernel lacks (erf GELU), an input width not a multiple of 16,
+    # more rows than the kernels take.
+    assert "residual" in kernels.matmul_add_unsupported(x, weight, residual.astype(jnp.bfloat16))
+    assert "activation" in kernels.norm_gated_mlp_unsupported(x, f(32), 1e-5, weight, weight, "gelu")
+    assert "multiple of 16" in kernels.norm_projections_unsupported(f(2, 24), f(24), 1e-5, (f(16, 24),))
+    many = f(kernels.MAX_ROWS + 1, 32)
+    assert "rows" in kernels.matmul_add_unsupported(many, weight, f(kernels.MAX_ROWS + 1, 16))
+    # The entries above their row limit run the chain (no kernel is traced: this would fail off GPU otherwise).
+    rows = max(kernels.KERNEL_ROWS.values()) + 1
+    x, residual = f(rows, 32), f(rows, 16)
+    np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, weight, residual)),
+                                  np.asarray(reference.matmul_add(x, weight, residual)))
+    out = kernels.norm_projections(x, f(32), 1e-5, (weight, weight))
+    assert out.shape == (rows, 32)
+    with pytest.raises(ValueError, match="block_n=16 does not divide"):
+        kernels.norm_projections_kernel(f(1, 32), f(32), 1e-5, (f(8, 32),), block_n=16, interpret=True)
+    with pytest.raises(ValueError, match="between 1 and"):
+        kernels.matmul_add_kernel(many, weight, f(kernels.MAX_ROWS + 1, 16), interpret=True)
+
+
+@pytest.mark.parametrize("rows, width, heads, groups, head_dim, inner", [
+    (1, 896, 14, 2, 64, 4864),  # apriel2-0.5b-shaped, B = 1
+    (4, 5120, 32, 8, 128, 14336),  # superapriel-15b-shaped, B = 4
+])
+def test_cross_lowers_for_cuda_at_production_shapes(rows, width, heads, groups, head_dim, inner):
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    x, norm = S((rows, width), bf), S((width,), bf)
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for fn, args in (
+            (kernels.matmul_add_kernel, (S((rows, inner), bf), S((width, inner), bf), x)),
+            (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((inner, width), bf), S((inner, width), bf), "silu")),
+            (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((heads * head_dim, width), bf),
+                                                               S((groups * head_dim, width), bf),
+                                                               S((groups * head_dim, width), bf)))),
+        ):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text.lower()
