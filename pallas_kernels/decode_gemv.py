@@ -1,22 +1,27 @@
 """Decode-step projections for a few rows as weight-streaming GEMVs, fused with their neighbours, in Pallas (Triton
 backend): the kernels of the chains in ``apriel2_jax.ops.decode_fused`` (the jnp oracle, same signatures).
 
-Why. At one to a few rows a decode step's projections read every weight once and do almost no arithmetic, so
-their time is bytes over bandwidth plus the kernel's start and tail. XLA runs each as a reduce fusion (the MLP
-gate/up of the 0.5B geometry at ~2.4 TB/s, its down projection at ~2 TB/s and the attention projections far
-lower) with the norms, the activation product and the residual add as separate kernels around them.
+Why. At one or two rows a decode step's projections read every weight once and do almost no arithmetic, so their
+time is bytes over bandwidth plus each kernel's start and tail. XLA runs each as a reduce fusion with the norms,
+the activation product and the residual add as kernels around them: an attention layer of the 0.5B geometry was
+13 kernels at one row, 8 with these (H200 trace, 2026-11-25; the other three are the decode attention and its
+split-K combine).
 
 Design. One program per ``block_n`` output features (weight rows: the checkpoint's [out, in] layout keeps each
-row contiguous). It walks the input width in chunks, loads a [block_n, chunk] weight tile, multiplies it by each
-row's activations broadcast over the tile in fp32 and reduces over the chunk. No tensor-core dot: a dot's
-minimum of 16 rows would pad the step's rows and stage the tile through shared memory for nothing, since the
-weights are used once per row (``decode_matmul``'s dot kernels streamed at half this rate). The chunk loop is
-unrolled so each program issues its loads ahead of the arithmetic.
+row contiguous). It walks the input width in chunks, loads [block_n, chunk] weight tiles, multiplies them by
+each row's activations broadcast over the tile in fp32 and accumulates elementwise; one reduction over the chunk
+axis at the end. No tensor-core dot: a dot's minimum of 16 rows would pad the step's rows and stage the tiles
+through shared memory for nothing (an earlier dot-based version streamed at about half this rate). The chunk
+loop is unrolled and loads go out a group of chunks ahead of the products that use them (see ``_gemv``).
 
 - The RMSNorm is a prologue: each program sums the squares of its rows (a few KB, from L2), then normalises each
-  chunk as it loads it with the reference's roundings (fp32 normalisation, cast to the dtype, times the weight in
+  chunk as it uses it with the reference's roundings (fp32 normalisation, cast to the dtype, times the weight in
   the dtype). The normalised activations never go to HBM.
 - Outputs are rounded where the reference rounds: the projection, then the activation product or residual add.
+
+Each product costs an FMA per weight element and row, and the accumulators grow with the rows, so the kernels
+lose to XLA's tensor-core GEMMs beyond a row or two: the dispatch entries take them up to ``KERNEL_ROWS`` rows
+(at 4 rows the Q/K/V kernel alone took the 0.5B all-attention step from 1.15 to 1.51 ms).
 
 fp32 inputs are multiplied and summed in fp32, so the kernels match the fp32 oracle to summation order.
 """
@@ -36,8 +41,9 @@ from apriel2_jax.ops.norms import _ACTIVATIONS
 F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element and its accumulators
-# The dispatch entries' limit per op: up to these rows the kernels beat XLA's fusions (H200, 0.5B geometry);
-# above them the entries run the jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
+# The dispatch entries' limit per op: up to these rows the kernels beat XLA's fusions or match them (H200, 0.5B
+# geometry; the MLP kernels at two rows took 18.7 µs per layer against XLA's 16.7); above them the entries run the
+# jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
 KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
 
@@ -76,27 +82,34 @@ def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
     return scales
 
 
-def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, norm=None):
+def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None):
     """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``)
     times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
 
-    Loads (weight tiles, the rows' activations, the norm weight) go out ``depth`` chunks at a time before any
-    product that uses them: a warp issues in order and stalls at the first product whose operands have not
-    arrived, so loads interleaved with products would leave one chunk in flight per warp. The norm's sums of squares come after the first group's loads are issued, so the
-    weights stream while it runs. Products accumulate elementwise and are reduced across the chunk once at the
-    end: a reduction per chunk synchronises the program's threads between its loads."""
-    accs = [[None] * len(weights) for _ in range(rows)]
+    Loads (weight tiles, the rows' activations, the norm weight) go out in groups of ``depth`` chunks, and with
+    ``prefetch`` the next group's before this group's products: a warp issues in order and stalls at the first
+    product whose operands have not arrived, so loads interleaved with products would leave one chunk in flight
+    per warp. The norm's sums of squares come after the first group's loads are issued, so the weights stream
+    while it runs. Products accumulate elementwise and are reduced across the chunk once at the end: a reduction
+    per chunk synchronises the program's threads between its loads."""
     chunks = k_dim // chunk
-    scales = None
-    for first in range(0, chunks, depth):
-        group = range(first, min(first + depth, chunks))
+    groups = [range(first, min(first + depth, chunks)) for first in range(0, chunks, depth)]
+
+    def load(group):
         cols = {c: pl.ds(c * chunk, chunk) for c in group}
-        tiles = {c: [w_ref[tile_rows, cols[c]] for w_ref, tile_rows in weights] for c in group}
-        xs = {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group}
-        if norm is not None:
-            norm_ws = {c: norm[1][cols[c]] for c in group}
-            if scales is None:
-                scales = _row_scales(x_ref, norm[0], rows=rows, k_dim=k_dim, chunk=chunk)
+        return (
+            {c: [w_ref[tile_rows, cols[c]] for w_ref, tile_rows in weights] for c in group},
+            {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group},
+            {c: norm[1][cols[c]] for c in group} if norm is not None else None,
+        )
+
+    accs = [[None] * len(weights) for _ in range(rows)]
+    loaded = load(groups[0])
+    scales = None if norm is None else _row_scales(x_ref, norm[0], rows=rows, k_dim=k_dim, chunk=chunk)
+    for i, group in enumerate(groups):
+        tiles, xs, norm_ws = loaded if prefetch or i == 0 else load(group)
+        if prefetch and i + 1 < len(groups):
+            loaded = load(groups[i + 1])
         for c in group:
             for r in range(rows):
                 x = xs[c][r]
@@ -150,11 +163,12 @@ def _call(kernel, inputs, *, x, n_dim, block_n, grid, name, num_warps, interpret
 # ---------------------------------------------------------------------------------------------- matmul_add
 
 
-def _matmul_add_kernel(x_ref, w_ref, res_ref, o_ref, *, rows, k_dim, chunk, depth, n_dim, block_n):
+def _matmul_add_kernel(x_ref, w_ref, res_ref, o_ref, *, rows, k_dim, chunk, depth, prefetch, n_dim, block_n):
     tile = pl.program_id(0)
     rows_of_w = _tile(n_dim, block_n, tile)
     residuals = [res_ref[r, rows_of_w] for r in range(rows)]  # loaded while the weights stream
-    accs = _gemv(x_ref, [(w_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth)
+    accs = _gemv(x_ref, [(w_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth,
+                 prefetch=prefetch)
     for r in range(rows):
         out = residuals[r].astype(F32) + accs[r][0].astype(o_ref.dtype).astype(F32)
         _store(o_ref, r, tile, out, n_dim=n_dim, block_n=block_n)
@@ -167,16 +181,16 @@ def matmul_add_unsupported(x, weight, residual) -> str | None:
     return reason
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "depth", "block_n", "num_warps", "interpret"))
-def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: int = 8, block_n: int = 8,
-                      num_warps: int = 4, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("chunk", "depth", "prefetch", "block_n", "num_warps", "interpret"))
+def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: int = 4, prefetch: bool = True,
+                      block_n: int = 8, num_warps: int = 8, interpret: bool = False):
     """``residual + x @ weight.T`` ([S, K] x [N, K] -> [S, N]) in one kernel, S <= MAX_ROWS."""
     reason = matmul_add_unsupported(x, weight, residual)
     if reason is not None:
         raise ValueError(f"matmul_add: {reason}")
     n_dim = weight.shape[0]
     kernel = functools.partial(_matmul_add_kernel, rows=x.shape[0], k_dim=x.shape[1], chunk=_chunk(x.shape[1], chunk),
-                               depth=depth, n_dim=n_dim, block_n=block_n)
+                               depth=depth, prefetch=prefetch, n_dim=n_dim, block_n=block_n)
     return _call(kernel, (x, weight, residual), x=x, n_dim=n_dim, block_n=block_n, grid=pl.cdiv(n_dim, block_n),
                  name="gemv_add", num_warps=num_warps, interpret=interpret)
 
@@ -191,12 +205,12 @@ def matmul_add(x, weight, residual):
 # ------------------------------------------------------------------------------------------ norm_gated_mlp
 
 
-def _gated_mlp_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, act, rows, k_dim, chunk, depth, n_dim,
-                      block_n):
+def _gated_mlp_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, act, rows, k_dim, chunk, depth, prefetch,
+                      n_dim, block_n):
     tile = pl.program_id(0)
     rows_of_w = _tile(n_dim, block_n, tile)
     accs = _gemv(x_ref, [(wg_ref, rows_of_w), (wu_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk,
-                 depth=depth, norm=(eps, nw_ref))
+                 depth=depth, prefetch=prefetch, norm=(eps, nw_ref))
     dtype = o_ref.dtype
     for r in range(rows):
         gate, up = accs[r]
@@ -215,16 +229,18 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
     return reason
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "block_n", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "prefetch", "block_n", "num_warps",
+                                             "interpret"))
 def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 8,
-                          block_n: int = 16, num_warps: int = 4, interpret: bool = False):
+                          prefetch: bool = True, block_n: int = 16, num_warps: int = 4, interpret: bool = False):
     """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
     n_dim = w_gate.shape[0]
     kernel = functools.partial(_gated_mlp_kernel, eps=eps, act=act, rows=x.shape[0], k_dim=x.shape[1],
-                               chunk=_chunk(x.shape[1], chunk), depth=depth, n_dim=n_dim, block_n=block_n)
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, prefetch=prefetch, n_dim=n_dim,
+                               block_n=block_n)
     return _call(kernel, (x, norm_weight, w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
                  grid=pl.cdiv(n_dim, block_n), name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
 

@@ -33,9 +33,10 @@ def test_kernels_match_the_chains(dtype):
     rows, width, features = 3, 96, 40
     config = dict(chunk=32, depth=2, interpret=True)
     x, weight, residual, norm = f(rows, width), f(features, width), f(rows, features), f(width)
-    out = kernels.matmul_add_kernel(x, weight, residual, block_n=16, **config)
-    assert out.shape == residual.shape and out.dtype == dtype
-    assert _rel(out, reference.matmul_add(x, weight, residual)) <= TOLERANCE[dtype]
+    for prefetch in (True, False):  # the next group's loads before this group's products, or after
+        out = kernels.matmul_add_kernel(x, weight, residual, block_n=16, prefetch=prefetch, **config)
+        assert out.shape == residual.shape and out.dtype == dtype
+        assert _rel(out, reference.matmul_add(x, weight, residual)) <= TOLERANCE[dtype]
 
     gate, up = f(features, width), f(features, width)
     out = kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", block_n=16, **config)
