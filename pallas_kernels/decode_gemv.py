@@ -58,7 +58,7 @@ def _chunk(k_dim: int, chunk: int | None) -> int | None:
     return None
 
 
-def _common_reason(x, weights) -> str | None:
+def _common_reason(x, weights, norm_weight=None) -> str | None:
     if x.ndim != 2:
         return "x must be [rows, features]"
     if jnp.dtype(x.dtype) not in _DTYPES or any(w.dtype != x.dtype for w in weights):
@@ -69,7 +69,14 @@ def _common_reason(x, weights) -> str | None:
         return f"weights must be [out, {x.shape[1]}], got {[w.shape for w in weights]}"
     if _chunk(x.shape[1], None) is None:
         return f"input width {x.shape[1]} must be a multiple of 16"
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
+        return f"norm weight must be [{x.shape[1]}] {x.dtype}"
     return None
+
+
+def _takes(op: str, reason: str | None, rows: int) -> bool:
+    """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, at most ``KERNEL_ROWS[op]`` rows."""
+    return reason is None and rows <= KERNEL_ROWS[op]
 
 
 def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
@@ -146,12 +153,13 @@ def _store(o_ref, r, tile, value, *, n_dim, block_n, offset=0):
     pltriton.store(o_ref.at[r, target], value.astype(o_ref.dtype), mask=feats < n_dim)
 
 
-def _call(kernel, inputs, *, x, n_dim, block_n, grid, name, num_warps, interpret):
+def _call(kernel, inputs, *, x, n_dim, block_n, name, num_warps, interpret):
+    """One program per ``block_n`` features of an [S, n_dim] output in x's dtype."""
     rows = x.shape[0]
     width = n_dim + (block_n if interpret and n_dim % block_n else 0)
     out = pl.pallas_call(
         kernel,
-        grid=(grid,),
+        grid=(pl.cdiv(n_dim, block_n),),
         out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -191,13 +199,13 @@ def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: i
     n_dim = weight.shape[0]
     kernel = functools.partial(_matmul_add_kernel, rows=x.shape[0], k_dim=x.shape[1], chunk=_chunk(x.shape[1], chunk),
                                depth=depth, prefetch=prefetch, n_dim=n_dim, block_n=block_n)
-    return _call(kernel, (x, weight, residual), x=x, n_dim=n_dim, block_n=block_n, grid=pl.cdiv(n_dim, block_n),
-                 name="gemv_add", num_warps=num_warps, interpret=interpret)
+    return _call(kernel, (x, weight, residual), x=x, n_dim=n_dim, block_n=block_n, name="gemv_add",
+                 num_warps=num_warps, interpret=interpret)
 
 
 def matmul_add(x, weight, residual):
     """Dispatch entry for "matmul_add": the kernel where it takes the shapes, else the jnp chain."""
-    if matmul_add_unsupported(x, weight, residual) is not None or x.shape[0] > KERNEL_ROWS["matmul_add"]:
+    if not _takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0]):
         return reference.matmul_add(x, weight, residual)
     return matmul_add_kernel(x, weight, residual)
 
@@ -219,13 +227,11 @@ def _gated_mlp_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, act, rows, k
 
 
 def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | None:
-    reason = _common_reason(x, (w_gate, w_up))
+    reason = _common_reason(x, (w_gate, w_up), norm_weight)
     if reason is None and w_gate.shape != w_up.shape:
         reason = f"gate and up weights differ in shape: {w_gate.shape} vs {w_up.shape}"
     if reason is None and act not in _MLP_ACTIVATIONS:
         reason = f"activation {act!r} is not one of {_MLP_ACTIVATIONS}"
-    if reason is None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
-        reason = f"norm weight must be [{x.shape[1]}] {x.dtype}"
     return reason
 
 
@@ -242,13 +248,12 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
                                chunk=_chunk(x.shape[1], chunk), depth=depth, prefetch=prefetch, n_dim=n_dim,
                                block_n=block_n)
     return _call(kernel, (x, norm_weight, w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
-                 grid=pl.cdiv(n_dim, block_n), name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
+                 name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
 
 
 def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
     """Dispatch entry for "norm_gated_mlp"."""
-    if (norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) is not None
-            or x.shape[0] > KERNEL_ROWS["norm_gated_mlp"]):
+    if not _takes("norm_gated_mlp", norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act), x.shape[0]):
         return reference.norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act)
     return norm_gated_mlp_kernel(x, norm_weight, float(eps), w_gate, w_up, act)
 
@@ -283,10 +288,7 @@ def _projection_tile(widths) -> int:
 
 
 def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:
-    reason = _common_reason(x, tuple(weights))
-    if reason is None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype):
-        reason = f"norm weight must be [{x.shape[1]}] {x.dtype}"
-    return reason
+    return _common_reason(x, tuple(weights), norm_weight)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "chunk", "depth", "block_n", "num_warps", "interpret"))
@@ -304,12 +306,12 @@ def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None =
     kernel = functools.partial(_norm_projections_kernel, eps=eps, rows=x.shape[0], k_dim=x.shape[1],
                                chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, block_n=block_n)
     n_dim = sum(widths)
-    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=n_dim, block_n=block_n, grid=n_dim // block_n,
+    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=n_dim, block_n=block_n,
                  name="gemv_norm_projections", num_warps=num_warps, interpret=interpret)
 
 
 def norm_projections(x, norm_weight, eps, weights):
     """Dispatch entry for "norm_projections"."""
-    if norm_projections_unsupported(x, norm_weight, eps, weights) is not None or x.shape[0] > KERNEL_ROWS["norm_projections"]:
+    if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0]):
         return reference.norm_projections(x, norm_weight, eps, weights)
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))

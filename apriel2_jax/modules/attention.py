@@ -52,8 +52,6 @@ class Attention(nnx.Module):
         (``ops.paged_attention.rope_write_paged_attention``: that chain ran as ~7 kernels per layer)."""
         cfg = self.cfg
         rows, length, _ = x.shape
-        table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
-        slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
         fused = kernel("rope_write_paged_attention") if length == 1 else None
         if fused is not None:
             if rows == 1:
@@ -64,12 +62,10 @@ class Attention(nnx.Module):
                 # projections are separate reductions, which XLA would fuse into the concatenation instead.)
                 qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
                 q, k, v = qkv.reshape(rows, cfg.heads + 2 * cfg.head_groups, cfg.head_size), None, None
-            cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
-            out, k_pages, v_pages = fused(
-                q, k, v, cos, sin, slots[:, 0], pages["k"], pages["v"], table, first, batch.positions,
-                cfg.window_size,
-            )
-            return self.o_proj(out.reshape(rows, 1, cfg.heads * cfg.head_size)), {"k": k_pages, "v": v_pages}
+            out, pages = self._decode_attention(fused, q, k, v, batch, pages)
+            return self.o_proj(out.reshape(rows, 1, cfg.heads * cfg.head_size)), pages
+        table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
+        slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])
         q, k, v = self._qkv(x, batch.positions)
         pages = {"k": write_pages(pages["k"], k, slots), "v": write_pages(pages["v"], v, slots)}
         out = op("paged_attention")(q, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size)
@@ -95,14 +91,19 @@ class Attention(nnx.Module):
         qkv = fused(x[:, 0], norm.weight[...], norm.eps,
                     (self.q_proj.weight[...], self.k_proj.weight[...], self.v_proj.weight[...]))
         qkv = qkv.reshape(rows, cfg.heads + 2 * cfg.head_groups, cfg.head_size)
-        cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, x.dtype)
+        out, pages = self._decode_attention(op("rope_write_paged_attention"), qkv, None, None, batch, pages)
+        return residual_projection(self.o_proj, out.reshape(rows, cfg.heads * cfg.head_size), x), pages
+
+    def _decode_attention(self, attend, q, k, v, batch, pages: dict[str, jax.Array]):
+        """``attend`` (``rope_write_paged_attention``'s kernel or chain) for one-token rows: q [S, H, D] and k, v
+        [S, G, D] before RoPE, or k = v = None with q [S, H + 2G, D]. Returns the output [S, H, D] and the pages."""
+        cfg = self.cfg
         table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])[:, 0]
-        out, k_pages, v_pages = op("rope_write_paged_attention")(
-            qkv, None, None, cos, sin, slots, pages["k"], pages["v"], table, first, batch.positions, cfg.window_size
-        )
-        out = out.reshape(rows, cfg.heads * cfg.head_size)
-        return residual_projection(self.o_proj, out, x), {"k": k_pages, "v": v_pages}
+        cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, q.dtype)
+        out, k_pages, v_pages = attend(q, k, v, cos, sin, slots, pages["k"], pages["v"], table, first,
+                                       batch.positions, cfg.window_size)
+        return out, {"k": k_pages, "v": v_pages}
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
         """``token_mask`` is accepted for a uniform mixer interface and not needed: right padding sits after every

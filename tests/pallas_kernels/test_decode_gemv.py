@@ -65,8 +65,9 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
     x, residual = f(rows, 32), f(rows, 16)
     np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, weight, residual)),
                                   np.asarray(reference.matmul_add(x, weight, residual)))
-    out = kernels.norm_projections(x, f(32), 1e-5, (weight, weight))
-    assert out.shape == (rows, 32)
+    norm = f(32)
+    np.testing.assert_array_equal(np.asarray(kernels.norm_projections(x, norm, 1e-5, (weight, weight))),
+                                  np.asarray(reference.norm_projections(x, norm, 1e-5, (weight, weight))))
     with pytest.raises(ValueError, match="block_n=16 does not divide"):
         kernels.norm_projections_kernel(f(1, 32), f(32), 1e-5, (f(8, 32),), block_n=16, interpret=True)
     with pytest.raises(ValueError, match="between 1 and"):
