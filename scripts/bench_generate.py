@@ -7,10 +7,12 @@
 The supernet is pruned to the placement's active mixers (a serving deployment of one placement moves the same
 bytes; inactive sub-mixers only cost memory). Measures, side by side in one process:
   * HBM bandwidth (a large device copy) and the decode roofline: the bytes one decode step must move at least
-    (active weights once, K/V of the context per attention layer, recurrent state read + write) over that
+    (the weights once except the input embedding table, which a step gathers one row of per sequence; K/V of the
+    context per attention layer, recurrent state read + write) over that
     bandwidth, versus the measured step time;
   * prefill throughput over ``--prefill-batch`` prompts of ``--prompt-len`` tokens (chunked, as served), with
-    the fraction of bf16 tensor-core peak its matmul FLOPs reach;
+    the fraction of bf16 tensor-core peak its matmul FLOPs reach (2 x the decoder layers' weights per token:
+    logits are computed for each row's last token only; attention's score FLOPs are not counted);
   * decode throughput of ``--batch`` sequences at context ``--prompt-len``, on caches admitted as prefilled
     (pages and slots allocated, contents not computed: timing does not depend on the values).
   * ``--capacity``: instead, as many requests of ``--prompt-len`` tokens as the cache holds (admitted as
@@ -61,9 +63,20 @@ from convert.thinning import thin  # noqa: E402
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
 
 
-def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, params: int) -> int:
-    """The least a decode step must move: weights once, each sequence's visible K/V, states read + written."""
-    total = params * dtype_bytes
+def weight_counts(config, params: int) -> tuple[int, int]:
+    """(weights a decode step reads, weights a prefill token multiplies). A decode step reads every weight except
+    the input embedding table, of which it gathers one row per sequence (unless tied: then the table is also the
+    LM head, read whole). A prefill token multiplies through the decoder layers only: logits are computed for
+    each row's last token, so neither the table nor the LM head counts per token."""
+    table = config.vocab_size * config.hidden_size
+    tied = config.tie_word_embeddings
+    return params - (0 if tied else table), params - (1 if tied else 2) * table
+
+
+def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, weights: int, hidden: int) -> int:
+    """The least a decode step must move: the weights it reads once, each sequence's embedding row and visible K/V,
+    states read + written."""
+    total = (weights + batch * hidden) * dtype_bytes
     for fam in layout.attention:
         visible = context if fam.window is None else min(context, fam.window)
         total += batch * visible * fam.token_bytes
@@ -208,7 +221,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     prefill_tps = llm.stats.prefill_tokens_per_second
     prefill_wall_tps = llm.stats.prefill_tokens / prefill_wall
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
-    mfu = (2 * params * prefill_tps / (devices * PEAK_BF16_FLOPS[kind])) if kind else float("nan")
+    decode_weights, prefill_weights = weight_counts(config, params)
+    mfu = (2 * prefill_weights * prefill_tps / (devices * PEAK_BF16_FLOPS[kind])) if kind else float("nan")
     if args.trace:
         # The timed workload again on fresh prompts (the same ones would hit the prefix cache).
         traced = [prompt() for _ in range(args.prefill_batch)]
@@ -240,7 +254,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
             device_step_us = breakdown.get("span_us", float("nan"))
         # The whole model's bytes over every device's bandwidth (replicated KV heads or padding not counted).
-        ideal = decode_bytes(cache_layout(config, llm.placement, dtype_bytes), batch, args.prompt_len, dtype_bytes, params)
+        ideal = decode_bytes(cache_layout(config, llm.placement, dtype_bytes), batch, args.prompt_len, dtype_bytes,
+                             decode_weights, config.hidden_size)
         roofline_s = ideal / (bandwidth * devices)
         rows.append({
             "device": device.device_kind,
