@@ -253,7 +253,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             breakdown = step_breakdown(device_intervals(events), llm.stats.decode_steps - before)
             print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
             device_step_us = breakdown.get("span_us", float("nan"))
-        # The whole model's bytes over every device's bandwidth (replicated KV heads or padding not counted).
+        # The step's least bytes over every device's bandwidth (replicated KV heads or padding not counted).
         ideal = decode_bytes(cache_layout(config, llm.placement, dtype_bytes), batch, args.prompt_len, dtype_bytes,
                              decode_weights, config.hidden_size)
         roofline_s = ideal / (bandwidth * devices)
