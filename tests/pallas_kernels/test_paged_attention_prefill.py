@@ -74,6 +74,9 @@ CASES = {
     # rep 7, page size 32 > block_k, window longer than the context, rows sharing prefix pages
     "rep7_long_window": dict(cached=[64, 64], new=[30, 17], length=32, heads=7, groups=1, page_size=32,
                              width=4, window=1000, share_prefix=True, block_q=16),
+    # the dispatch entry's configuration for head dim <= 64 on long chunks: 128-key blocks over 8 pages of 16
+    "d64_dispatch_blocks": dict(cached=[0, 20], new=[128, 100], length=128, heads=4, groups=2, dim=64, width=8,
+                                block_q=64, block_k=128),
 }
 
 
@@ -147,11 +150,15 @@ def test_mgpu_kernel_cross_lowers_for_cuda(window):
     assert "mosaic_gpu" in lowered.as_text().lower()
 
 
-@pytest.mark.parametrize("rows, length, window", [(2, 4096, None), (8, 512, 4096)])
-def test_cross_lowers_for_cuda_at_production_shapes(rows, length, window):
-    """32 query / 8 KV heads, D = 128, page size 64, bf16, default and a large block configuration."""
+@pytest.mark.parametrize("rows, length, window, heads, groups, dim, page_size", [
+    (2, 4096, None, 32, 8, 128, 64),
+    (8, 512, 4096, 32, 8, 128, 64),
+    (8, 1024, None, 14, 2, 64, 16),  # the 0.5B geometry's prefill step: the entry's head-dim-64 configuration
+])
+def test_cross_lowers_for_cuda_at_production_shapes(rows, length, window, heads, groups, dim, page_size):
+    """bf16 at production head counts, head dims and page sizes; default and a large block configuration."""
     S = jax.ShapeDtypeStruct
-    heads, groups, dim, page_size, width, pool = 32, 8, 128, 64, 256, 2048
+    width, pool = 256, 2048
     args = (
         S((rows, length, heads, dim), jnp.bfloat16),
         S((pool, page_size, groups, dim), jnp.bfloat16),
