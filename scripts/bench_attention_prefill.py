@@ -5,6 +5,7 @@
     python scripts/bench_attention_prefill.py --sweep              # sweep block sizes / warps / stages first
     python scripts/bench_attention_prefill.py --config 128,64,8,3  # block_q,block_k,num_warps,num_stages
     python scripts/bench_attention_prefill.py --dry-run            # tiny shapes, interpret mode, CPU
+    python scripts/bench_attention_prefill.py --engine-05b --sweep # the 0.5B engine's prefill shape only
     timeout 300 python scripts/bench_attention_prefill.py --mgpu   # also the experimental Mosaic GPU kernel
 
 Cases (bf16, D = 128, page size 64):
@@ -287,7 +288,9 @@ def sweep(shape, peak, args, mosaic=False):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="128,64,8,3", help="block_q,block_k,num_warps,num_stages")
+    ap.add_argument("--config", default=None,
+                    help="block_q,block_k,num_warps,num_stages (default: the dispatch entry's for the case's head "
+                         "dim on long chunks: 128,64,8,3; with --engine-05b 64,128,4,3)")
     ap.add_argument("--sweep", action="store_true", help="time every config on case (a) 32/8 and use the best")
     ap.add_argument("--mgpu", action="store_true", help="also time the experimental Mosaic GPU kernel")
     ap.add_argument("--mgpu-config", default="64,64,3,1",
@@ -296,9 +299,12 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in interpret mode (CPU): checks the script")
+    ap.add_argument("--engine-05b", action="store_true",
+                    help="only case (a) (and --sweep) at the 0.5B engine's prefill step: 8 rows x 1024 fresh tokens, "
+                         "14/2 heads, D=64, pages of 16")
     args = ap.parse_args(argv)
     start = time.monotonic()
-    cfg = tuple(int(x) for x in args.config.split(","))
+    cfg = tuple(int(x) for x in (args.config or ("64,128,4,3" if args.engine_05b else "128,64,8,3")).split(","))
     if len(cfg) != 4:
         raise SystemExit("--config takes block_q,block_k,num_warps,num_stages")
     args.mgpu_cfg = tuple(int(x) for x in args.mgpu_config.split(","))
@@ -324,6 +330,8 @@ def main(argv=None) -> int:
 
     sweep_rows = None
     gqa_shape = (2, length, *heads_gqa, dim, ps)
+    if args.engine_05b:
+        gqa_shape = (2, 128, 4, 2, 64, 16) if args.dry_run else (8, 1024, 14, 2, 64, 16)
     if args.sweep:
         cfg, sweep_rows = sweep(gqa_shape, peak, args)
         log(f"best config {cfg}")
@@ -333,22 +341,26 @@ def main(argv=None) -> int:
             log(f"best Mosaic GPU config {args.mgpu_cfg}")
 
     rows = []
-    for h, g in (heads_mha, heads_gqa):
+    if args.engine_05b:
+        log(f"case (a) causal at the 0.5B engine's prefill shape {gqa_shape}")
+        rows += case_contiguous(*gqa_shape, cfg, peak, args)
+    for h, g in () if args.engine_05b else (heads_mha, heads_gqa):
         log(f"case (a) causal H={h}/{g}")
         rows += case_contiguous(2, length, h, g, dim, ps, cfg, peak, args)
-    # The engine's default page size (16): key blocks then gather several pages (Triton only).
-    log(f"case (a) causal H={heads_gqa[0]}/{heads_gqa[1]}, page size 16")
-    rows += case_contiguous(2, length, *heads_gqa, dim, 16, cfg, peak, args, with_baselines=False)
-    log("case (b) ragged paged")
-    rows += case_ragged(new, cached, rag_len, *heads_gqa, dim, ps, cfg, peak, args)
-    log("case (c) sliding window")
-    rows += case_window(win_len, window, *heads_mha, dim, ps, cfg, peak, args)
+    if not args.engine_05b:
+        # The engine's default page size (16): key blocks then gather several pages (Triton only).
+        log(f"case (a) causal H={heads_gqa[0]}/{heads_gqa[1]}, page size 16")
+        rows += case_contiguous(2, length, *heads_gqa, dim, 16, cfg, peak, args, with_baselines=False)
+        log("case (b) ragged paged")
+        rows += case_ragged(new, cached, rag_len, *heads_gqa, dim, ps, cfg, peak, args)
+        log("case (c) sliding window")
+        rows += case_window(win_len, window, *heads_mha, dim, ps, cfg, peak, args)
 
     print(f"\ndevice: {device}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; Triton kernel config "
           f"block_q,block_k,num_warps,num_stages = {cfg}" + (f"; Mosaic GPU block_q,block_k,stages,ping_pong = "
                                                              f"{args.mgpu_cfg}" if args.mgpu else ""))
     if sweep_rows:
-        print("\nsweep (case (a) 32/8):")
+        print(f"\nsweep (case (a) {gqa_shape[2]}/{gqa_shape[3]}):")
         for r in sorted(sweep_rows, key=lambda r: r["ms"] if r.get("ms") else float("inf")):
             c = tuple(r["config"].values())
             print(f"  {r['impl']:<14} {c}: " + (f"{r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s" if r.get("ms") else "failed"))
