@@ -12,6 +12,7 @@ memory budget and donated to every step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from .cache_manager import CacheManager
 from .defaults import DEFAULTS, WARM_UP_CHOICES
 from .kv_connector import ConnectorStats, Entry, EntryStore, KVConnector, LoadResult
 from .kv_connector import transfer
-from .prefix_cache import PrefixCache, PrefixStats, prefix_root
+from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, Scheduler, SchedulerConfig
 from .step import Buckets, StepRunner, build_inputs, unpack_outputs
@@ -451,6 +452,8 @@ class LLM:
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
         t0 = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1)
+        if self.prefix_cache is not None:  # host work for the next admissions while the device runs this step
+            self.prefix_cache.hash_ahead(itertools.islice(self.scheduler.waiting, QUEUE_LOOKAHEAD))
         outputs = unpack_outputs(packed)
         tokens, logprobs = outputs.tokens, outputs.logprobs
         elapsed = time.monotonic() - t0

@@ -139,6 +139,15 @@ class PrefixCache:
             extend_chain(request.page_hashes, request.prompt_ids + request.output_ids, self.page_size, pages, self.root)
         return request.page_hashes
 
+    def hash_ahead(self, requests: Iterable["Request"]) -> None:
+        """Extend the hash chains of ``requests`` (queued ones) as far as their admission lookup will read. The
+        engine calls this while a step runs on the device: chains are kept on the request, so the lookup then
+        finds them computed instead of hashing on the critical path (a 32 x 1024-token prefill hashed ~2.5 ms
+        per 8-row step on the host)."""
+        for request in requests:
+            if request.prefix_cacheable:
+                self.chain(request, (request.num_tokens - 1) // self.page_size)
+
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
         self._known.move_to_end(key)

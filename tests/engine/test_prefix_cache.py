@@ -286,3 +286,18 @@ def test_match_without_a_snapshot_resumes_only_at_zero():
     _prefill(manager, prefix, Request("a", list(range(30)), GREEDY), 24, chunk=8)
     hit = prefix.match(Request("b", list(range(30)), GREEDY))
     assert hit.tokens == 0 and hit.family_tokens["full"] == 24 and hit.family_tokens["state"] == 0
+
+
+def test_hash_ahead_leaves_match_nothing_to_hash():
+    """Chains hashed ahead (while a step runs) are the ones the admission lookup reads: match then extends no
+    chain, and finds the same hit as without hashing ahead. A request the cache must not index is skipped."""
+    manager, prefix = _host_cache()
+    _prefill(manager, prefix, Request("a", list(range(30)), GREEDY), 24, chunk=8)
+    ahead, cold = Request("b", list(range(30)) + [1], GREEDY), Request("c", list(range(30)) + [1], GREEDY)
+    skipped = Request("d", list(range(30)), GREEDY)
+    skipped.prefix_cacheable = False
+    prefix.hash_ahead([ahead, skipped])
+    assert len(ahead.page_hashes) == (ahead.num_tokens - 1) // 4 and skipped.page_hashes == []
+    hashed = list(ahead.page_hashes)
+    assert prefix.match(ahead) == prefix.match(cold)
+    assert ahead.page_hashes == hashed == cold.page_hashes
