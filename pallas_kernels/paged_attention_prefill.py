@@ -237,8 +237,9 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
     if q.ndim != 4 or q.shape[1] <= 1 or not supported(q, k_pages):
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     # Launch config. D = 128 on long chunks: the Triton flash-attention tutorial's Hopper choice. D <= 64 on long
-    # chunks: the best of a sweep on the 0.5B geometry's prefill (8 rows x 1024 fresh tokens, 14/2 heads, pages of
-    # 16, H200): 90.9 µs against 122.8 for the D = 128 choice (cuDNN on the same contiguous K/V: 98.8).
+    # chunks: the best of `scripts/bench_attention_prefill.py --engine-05b --sweep` (the 0.5B geometry's prefill
+    # step: 8 rows x 1024 fresh tokens, 14/2 heads, pages of 16; H200): 0.107 ms against 0.141 for the D = 128
+    # choice, cuDNN 0.094 (docs/BENCHMARKS.md).
     if q.shape[1] >= 128 and q.shape[-1] <= 64:
         config = dict(block_q=64, block_k=128, num_warps=4, num_stages=3)
     elif q.shape[1] >= 128:
