@@ -344,10 +344,10 @@ def main(argv=None) -> int:
     if args.engine_05b:
         log(f"case (a) causal at the 0.5B engine's prefill shape {gqa_shape}")
         rows += case_contiguous(*gqa_shape, cfg, peak, args)
-    for h, g in () if args.engine_05b else (heads_mha, heads_gqa):
-        log(f"case (a) causal H={h}/{g}")
-        rows += case_contiguous(2, length, h, g, dim, ps, cfg, peak, args)
-    if not args.engine_05b:
+    else:
+        for h, g in (heads_mha, heads_gqa):
+            log(f"case (a) causal H={h}/{g}")
+            rows += case_contiguous(2, length, h, g, dim, ps, cfg, peak, args)
         # The engine's default page size (16): key blocks then gather several pages (Triton only).
         log(f"case (a) causal H={heads_gqa[0]}/{heads_gqa[1]}, page size 16")
         rows += case_contiguous(2, length, *heads_gqa, dim, 16, cfg, peak, args, with_baselines=False)

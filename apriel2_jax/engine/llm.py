@@ -452,7 +452,9 @@ class LLM:
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
         t0 = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1)
-        if self.prefix_cache is not None:  # host work for the next admissions while the device runs this step
+        if self.prefix_cache is not None:
+            # Host work for the next admissions while the device runs this step. It sits inside the step timer,
+            # which it lengthens only where hashing outlasts the step (each request is hashed once).
             self.prefix_cache.hash_ahead(itertools.islice(self.scheduler.waiting, QUEUE_LOOKAHEAD))
         outputs = unpack_outputs(packed)
         tokens, logprobs = outputs.tokens, outputs.logprobs

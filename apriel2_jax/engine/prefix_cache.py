@@ -139,6 +139,10 @@ class PrefixCache:
             extend_chain(request.page_hashes, request.prompt_ids + request.output_ids, self.page_size, pages, self.root)
         return request.page_hashes
 
+    def _last_boundary(self, request: "Request") -> int:
+        """The last page boundary a lookup may resume at: at least one token is always left to compute."""
+        return (request.num_tokens - 1) // self.page_size
+
     def hash_ahead(self, requests: Iterable["Request"]) -> None:
         """Extend the hash chains of ``requests`` (queued ones) as far as their admission lookup will read. The
         engine calls this while a step runs on the device: chains are kept on the request, so the lookup then
@@ -146,7 +150,7 @@ class PrefixCache:
         per 8-row step on the host)."""
         for request in requests:
             if request.prefix_cacheable:
-                self.chain(request, (request.num_tokens - 1) // self.page_size)
+                self.chain(request, self._last_boundary(request))
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -158,7 +162,7 @@ class PrefixCache:
     def match(self, request: "Request") -> PrefixHit:
         """The longest cached prefix every family can resume from, leaving at least one token to compute."""
         size = self.page_size
-        limit = (request.num_tokens - 1) // size  # boundaries 0..limit
+        limit = self._last_boundary(request)  # boundaries 0..limit
         chain = self.chain(request, limit)
         valid = np.ones(limit + 1, bool)  # valid[k]: every family can resume at boundary k
         family_best: dict[str, int] = {}
@@ -295,7 +299,7 @@ class PrefixCache:
         if not self.has_state or self.snapshots is None:
             return False
         size = self.page_size
-        limit = (request.num_tokens - 1) // size
+        limit = self._last_boundary(request)
         first = hit.tokens // size
         if first >= limit:
             return False  # nothing past the hit that a snapshot could cover
