@@ -5,8 +5,8 @@
 
 A decode step at small batch reads every weight once and does little arithmetic, so its floor is bytes over
 bandwidth. Three ways to read ``--layers`` bf16 matrices of [N, K] (default: the 0.5B geometry's gate and up
-projections side by side, 17.4 MB per layer), each call of the timed step waiting on the one before (median of 5
-rounds of 20 calls):
+projections side by side, 17.4 MB per layer), each call of the timed step waiting on the one before
+(``benchmarking.time_looped``: median of 5 rounds of 20 calls):
 
 - **per-matrix kernels**: one Mosaic GPU kernel per matrix, run one after another on the stream: one CTA per SM
   streams its share of row blocks [bn, bk] through a TMA pipeline of ``depth`` SMEM stages (``--config
@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth, print_rows  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from pallas_kernels.decode_gemv import norm_gated_mlp_kernel  # noqa: E402
 
 
@@ -66,19 +66,11 @@ def stream_rows(w: jax.Array, after: jax.Array, *, programs: int, bn: int, bk: i
                         grid_names=("p",))(w, after)
 
 
-def per_layer_us(fn, carry, layers: int) -> float:
-    """µs per layer of ``carry = fn(carry)``: each call takes the previous call's output, so executions cannot
-    overlap (see ``benchmarking.after``)."""
-    run = jax.jit(fn)
-    carry = jax.block_until_ready(run(carry))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(20):
-            carry = run(carry)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - start) / 20)
-    return statistics.median(times) / layers * 1e6
+def per_layer_us(step, weights, carry, layers: int) -> float:
+    """µs per layer of ``carry = step(weights, carry)``, each call waiting on the one before (``time_looped``:
+    median of 5 rounds of 20 calls)."""
+    seconds, _ = time_looped(step, [weights], carry, steps=20, repeats=5)
+    return seconds / layers * 1e6
 
 
 def main(argv=None) -> int:
@@ -116,27 +108,30 @@ def main(argv=None) -> int:
     for bn, bk, depth in configs:
         read = functools.partial(stream_rows, programs=programs, bn=bn, bk=bk, depth=depth)
 
-        def per_matrix(x, read=read):
+        def per_matrix(matrices, x, read=read):
             # One stream runs the kernels one after another; a data dependence between them would add an XLA op
             # per layer, so they all wait on the call's input and their outputs are summed at the end.
-            return x + sum(read(w, x)[0] for w in mats)
+            return x + sum(read(w, x)[0] for w in matrices)
 
-        carry = jnp.zeros((1,), jnp.float32)
-        record("per-matrix kernels", f"{bn},{bk},{depth}", per_layer_us(per_matrix, carry, layers))
+        def one_kernel(stacked, x, read=read):
+            return x + read(stacked, x)[0]
+
+        carry = lambda: jnp.zeros((1,), jnp.float32)  # noqa: E731  (time_looped donates it)
+        record("per-matrix kernels", f"{bn},{bk},{depth}", per_layer_us(per_matrix, mats, carry(), layers))
         stacked = jnp.concatenate(mats, axis=0)
-        record("one kernel", f"{bn},{bk},{depth}",
-               per_layer_us(lambda x, read=read: x + read(stacked, x)[0], carry, layers))
+        record("one kernel", f"{bn},{bk},{depth}", per_layer_us(one_kernel, stacked, carry(), layers))
         del stacked
 
     half = n // 2
     norm_weight = jnp.ones((k,), jnp.bfloat16)
     gate_up = [(w[:half], w[half:]) for w in mats]  # split outside the timed step (a slice inside is a copy)
 
-    def gemv_chain(x):
-        total = sum(norm_gated_mlp_kernel(x, norm_weight, 1e-5, gate, up, "silu")[0, 0] for gate, up in gate_up)
+    def gemv_per_layer(halves, x):
+        total = sum(norm_gated_mlp_kernel(x, norm_weight, 1e-5, gate, up, "silu")[0, 0] for gate, up in halves)
         return x + total * 0
 
-    record("decode GEMV (norm + gate/up)", "defaults", per_layer_us(gemv_chain, jnp.ones((1, k), jnp.bfloat16), layers))
+    record("decode GEMV (norm + gate/up)", "defaults",
+           per_layer_us(gemv_per_layer, gate_up, jnp.ones((1, k), jnp.bfloat16), layers))
     print_rows(rows, args.json)
     return 0
 
