@@ -36,7 +36,7 @@ elif [ "$part" = engine05b ]; then
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --defaults"
   step engine_05b 420 $gen --placement all-attention every2-kda a12-g1-k11 pure-gdn --batch 1 32 \
-    --prompt-len 1024 --output-len 64 --prefill-batch 32 --json "$out/engine_05b.jsonl"
+    --prompt-len 1024 --output-len 128 --prefill-batch 32 --json "$out/engine_05b.jsonl"
   # First token with defaults (a12-g1-k11 compiled slowest): start_up_s + first_prefill_s, cold then warm cache.
   rm -rf "$out/xla_cache"
   for state in cold warm; do
