@@ -146,7 +146,8 @@ def test_preemption_and_abort_with_prefix_caching(hybrid, decode_steps):
     case = hybrid[0]
     prompts = _shared_prefix_prompts(case)[:4]
     params = SamplingParams.greedy(max_new_tokens=10, ignore_eos=True)
-    roomy = _hybrid_engine(hybrid, enable_prefix_caching=False)
+    # Same decode steps as the tight engine: the sliding-window pool is sized for a dispatch's tokens.
+    roomy = _hybrid_engine(hybrid, enable_prefix_caching=False, decode_steps=decode_steps)
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     full = next(f for f in roomy.layout.attention if f.window is None)
     page_bytes, slot_bytes = 4 * full.token_bytes, roomy.layout.state.slot_bytes
