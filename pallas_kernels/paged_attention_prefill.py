@@ -229,6 +229,19 @@ def paged_attention_prefill(
     return out[:, :length] if padded != length else out
 
 
+def launch_config(tokens: int, head_dim: int) -> dict:
+    """The dispatch entry's launch configuration for chunks of ``tokens`` queries per row. D = 128 on long chunks:
+    the Triton flash-attention tutorial's Hopper choice. D <= 64 on long chunks: the best of
+    `scripts/bench_attention_prefill.py --engine-05b --sweep` (the 0.5B geometry's prefill step: 8 rows x 1024
+    fresh tokens, 14/2 heads, pages of 16; H200): 0.107 ms against 0.141 for the D = 128 choice, cuDNN 0.094
+    (docs/BENCHMARKS.md)."""
+    if tokens >= 128 and head_dim <= 64:
+        return dict(block_q=64, block_k=128, num_warps=4, num_stages=3)
+    if tokens >= 128:
+        return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    return dict(block_q=64, block_k=64, num_warps=4, num_stages=3)
+
+
 def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
     """The dispatch entry: the kernel for multi-token queries whose shapes it supports, the jnp op otherwise
     (single-token decode belongs to the decode kernel / reference)."""
@@ -236,16 +249,7 @@ def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, w
 
     if q.ndim != 4 or q.shape[1] <= 1 or not supported(q, k_pages):
         return reference(q, k_pages, v_pages, block_table, first_page, q_positions, window)
-    # Launch config. D = 128 on long chunks: the Triton flash-attention tutorial's Hopper choice. D <= 64 on long
-    # chunks: the best of `scripts/bench_attention_prefill.py --engine-05b --sweep` (the 0.5B geometry's prefill
-    # step: 8 rows x 1024 fresh tokens, 14/2 heads, pages of 16; H200): 0.107 ms against 0.141 for the D = 128
-    # choice, cuDNN 0.094 (docs/BENCHMARKS.md).
-    if q.shape[1] >= 128 and q.shape[-1] <= 64:
-        config = dict(block_q=64, block_k=128, num_warps=4, num_stages=3)
-    elif q.shape[1] >= 128:
-        config = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    else:
-        config = dict(block_q=64, block_k=64, num_warps=4, num_stages=3)
+    config = launch_config(q.shape[1], q.shape[-1])
     return paged_attention_prefill(q, k_pages, v_pages, block_table, first_page, q_positions, window, **config)
 
 

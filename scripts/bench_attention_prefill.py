@@ -44,7 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference  # noqa: E402
-from pallas_kernels.paged_attention_prefill import paged_attention_prefill, paged_attention_prefill_mgpu  # noqa: E402
+from pallas_kernels.paged_attention_prefill import (  # noqa: E402
+    launch_config,
+    paged_attention_prefill,
+    paged_attention_prefill_mgpu,
+)
 
 BF16 = jnp.bfloat16
 SWEEP = [  # (block_q, block_k, num_warps, num_stages)
@@ -289,8 +293,8 @@ def sweep(shape, peak, args, mosaic=False):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None,
-                    help="block_q,block_k,num_warps,num_stages (default: the dispatch entry's for the case's head "
-                         "dim on long chunks: 128,64,8,3; with --engine-05b 64,128,4,3)")
+                    help="block_q,block_k,num_warps,num_stages (default: the dispatch entry's launch_config for a "
+                         "long chunk at the case's head dim: 128,64,8,3; with --engine-05b 64,128,4,3)")
     ap.add_argument("--sweep", action="store_true", help="time every config on case (a) 32/8 and use the best")
     ap.add_argument("--mgpu", action="store_true", help="also time the experimental Mosaic GPU kernel")
     ap.add_argument("--mgpu-config", default="64,64,3,1",
@@ -304,7 +308,10 @@ def main(argv=None) -> int:
                          "14/2 heads, D=64, pages of 16")
     args = ap.parse_args(argv)
     start = time.monotonic()
-    cfg = tuple(int(x) for x in (args.config or ("64,128,4,3" if args.engine_05b else "128,64,8,3")).split(","))
+    if args.config:
+        cfg = tuple(int(x) for x in args.config.split(","))
+    else:  # the dispatch entry's for a long chunk at the case's head dim
+        cfg = tuple(launch_config(1024, 64 if args.engine_05b else 128).values())
     if len(cfg) != 4:
         raise SystemExit("--config takes block_q,block_k,num_warps,num_stages")
     args.mgpu_cfg = tuple(int(x) for x in args.mgpu_config.split(","))
