@@ -83,15 +83,18 @@ def _drained(llm):
 @pytest.mark.parametrize("case_name", golden_cases())
 def test_outputs_identical_recomputed_local_host_and_disk(case_name, tmp_path):
     """Per placement: a writer engine computes the prompts and saves them; fresh engines (empty device caches)
-    reading the same host or disk store load the prefixes instead of computing them, then hit locally."""
+    reading the same host store load the prefixes instead of computing them, then hit locally. The disk store
+    runs the same engine path, so it is exercised on the first placement only (its own behaviour is tested
+    below and in test_stores)."""
     case, model, runner = golden_model(case_name)
     prompts = _shared_prefix_prompts(case)
     plain = LLM(model=model, placements=case.placements, step_runner=runner, enable_prefix_caching=False, **ENGINE)
-    for name in case.placements:
+    for i, name in enumerate(case.placements):
         plain.set_placement(name)
         expected = _alone(plain, prompts)
         expected_batch = [o.token_ids for o in plain.generate(prompts, GREEDY)]
-        for store in (HostMemoryStore(64 * 2**20), DiskStore(tmp_path / name)):
+        stores = [HostMemoryStore(64 * 2**20)] + ([DiskStore(tmp_path / name)] if i == 0 else [])
+        for store in stores:
             writer = _engine(model, runner, case, store, name)
             assert _alone(writer, prompts) == expected, f"{case_name}/{name}: writer"
             writer.kv_connector.flush()
