@@ -27,6 +27,10 @@ bytes; inactive sub-mixers only cost memory). Measures, side by side in one proc
     disk store (``--kv-path``; read through the OS page cache when it holds the files), each followed by
     ``--suffix-len`` new tokens; and the same prompt prefix once more, now a local prefix-cache hit. Each
     engine first serves another prefix the same way, so every path is compiled before it is timed.
+  * ``--dispatch-cost``: instead, a decode dispatch's fixed cost: the step of ``--batch`` rows dispatched 20
+    times back to back at 1, ``--decode-steps`` and twice that many steps per dispatch (ms per dispatch, and the
+    host time of the call for one step), and the host time of launching a trivial jitted call by its number
+    of array arguments and donated arrays.
 Prints one table row per placement and batch; ``--json`` appends the rows to a JSONL file.
 """
 
@@ -54,7 +58,8 @@ from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
 from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
-from apriel2_jax.engine.step import Buckets  # noqa: E402
+from apriel2_jax.engine.defaults import DEFAULTS  # noqa: E402
+from apriel2_jax.engine.step import Buckets, build_inputs, unpack_outputs  # noqa: E402
 from apriel2_jax.modules import Apriel2ForCausalLM  # noqa: E402
 from apriel2_jax.placement import load_placements, resolve_placement  # noqa: E402
 from apriel2_jax.tensor_parallel import random_sharded  # noqa: E402
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
                     help="decode projections as XLA's fusions (norms, matmuls, activation product and residual adds "
                     "apart) instead of the fused GEMV kernels of pallas_kernels/decode_gemv: their side-by-side "
                     "baseline")
+    ap.add_argument("--dispatch-cost", action="store_true",
+                    help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
     if args.unfused_decode_attention:
@@ -144,11 +151,14 @@ def main(argv=None) -> int:
     for tp in args.tensor_parallel:
         for name in args.placement:
             run = (run_capacity if args.capacity else run_shared_prefix if args.shared_prefix
-                   else run_kv_prefix if args.kv_prefix else run_placement)
+                   else run_kv_prefix if args.kv_prefix else run_dispatch_cost if args.dispatch_cost
+                   else run_placement)
             rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
     if args.capacity:
         for row in rows:
             row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
+    if args.dispatch_cost:
+        rows += launch_cost_rows()
     print_rows(rows)
     if args.json:
         append_jsonl(args.json, rows)
@@ -284,6 +294,73 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         })
     del llm, model
     gc.collect()  # the next placement's cache budget is what is free now
+    return rows
+
+
+def run_dispatch_cost(args, raw: dict, placement, name: str, bandwidth: float, tp: int | None = None) -> list[dict]:
+    """Per batch: decode dispatches of 1, ``decode_steps`` and twice that many steps, the same inputs each time,
+    with the host waiting for each one's results (as the engine does)."""
+    config, model, params, dtype = random_model(args, raw, placement, name, tp)
+    batches = sorted(set(args.batch))
+    steps = args.decode_steps or DEFAULTS.decode_steps
+    # Scheduled with budgets of 2 x steps, so every dispatch below writes only pages its rows hold.
+    llm = LLM(model=model, max_num_seqs=batches[-1], max_model_len=args.prompt_len + 4 * steps, decode_steps=2 * steps,
+              page_size=args.page_size, cache_memory_fraction=0.9, warm_up="none")
+    rng = np.random.default_rng(0)
+    rows, calls = [], 20
+    for batch in batches:
+        prompts = [[int(t) for t in rng.integers(3, config.vocab_size, size=args.prompt_len)] for _ in range(batch)]
+        requests = llm._make_requests(prompts, SamplingParams(max_new_tokens=2 * steps, ignore_eos=True))
+        for request in requests:
+            llm.scheduler.admit_cached(request, request.num_tokens - 1)
+        step = llm.scheduler.schedule()
+        shape = llm.buckets.pick("decode", len(step.rows), 1)
+        for n in (1, steps, 2 * steps):
+            inputs = build_inputs(step, shape, llm.cache_manager, [n] * len(step.rows))
+            for _ in range(2):  # compile, then one more run
+                out, llm._cache = llm.runner.run(llm._cache, inputs, llm.placement, n)
+                unpack_outputs(out)
+            launch = total = 0.0
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                out, llm._cache = llm.runner.run(llm._cache, inputs, llm.placement, n)
+                t1 = time.perf_counter()
+                unpack_outputs(out)
+                launch, total = launch + t1 - t0, total + time.perf_counter() - t0
+            rows.append({"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+                         "placement": name, "batch": batch, "context": args.prompt_len, "steps_per_dispatch": n,
+                         "dispatch_ms": round(total / calls * 1e3, 3), "step_ms": round(total / calls / n * 1e3, 3),
+                         "call_returns_ms": round(launch / calls * 1e3, 3)})
+        for request in requests:
+            llm.scheduler.abort(request.request_id)
+    del llm, model
+    gc.collect()
+    return rows
+
+
+def launch_cost_rows(calls: int = 200) -> list[dict]:
+    """Host time of launching a trivial jitted call with ``arrays`` small array arguments, ``donated`` of them
+    donated and returned (as a step's caches are)."""
+    rows = []
+    for arrays, donated in ((10, 0), (220, 0), (440, 0), (10, 48), (220, 48)):
+        kept = [jnp.full((1024,), i, jnp.bfloat16) for i in range(arrays)]
+        cache = [jnp.zeros((4096,), jnp.bfloat16) for _ in range(donated)]
+
+        def call(kept, cache, ints):
+            total = sum(a[:8].astype(jnp.float32).sum() for a in kept[:4]) + ints.sum()
+            return total, [c.at[0].set(total.astype(c.dtype)) for c in cache]
+
+        fn = jax.jit(call, donate_argnums=(1,))
+        ints = np.zeros((1, 64), np.int32)
+        for _ in range(3):
+            out, cache = fn(kept, cache, ints)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out, cache = fn(kept, cache, ints)
+        rows.append({"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), "arrays": arrays,
+                     "donated": donated, "launch_us": round((time.perf_counter() - t0) / calls * 1e6, 1)})
+        jax.block_until_ready(out)
     return rows
 
 
