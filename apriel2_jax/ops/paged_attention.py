@@ -41,7 +41,7 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
         # One token (a one-row decode step), written into the pages' own shape: a padding token may land in the
         # sink page, as no other token does. XLA's CPU backend turned the one-index scatter into an update of
         # the flat view and repeated it for each shape its readers used, copying every page (a one-row decode
-        # step ran ~80x slower than a two-row one on CPU).
+        # step of a two-layer all-attention geometry took 396 ms on CPU, 2.6 ms written this way).
         row = new.reshape((1, 1) + new.shape[2:]).astype(pages.dtype)
         zero = jnp.zeros((), index.dtype)
         return jax.lax.dynamic_update_slice(pages, row, (index[0] // page_size, index[0] % page_size, zero, zero))
