@@ -7,7 +7,7 @@ as flat lists of arrays, so a call costs the host microseconds rather than a pyt
 
 A decode step runs up to ``decode_steps`` tokens per row in one dispatch: a device loop feeds each row's
 sampled token back, stops a row at one of its stop ids or at its token budget, and ends when every row has
-stopped. A stopped row is turned into padding (sink slot, sink pages), so later iterations never touch its
+stopped (checked every ``STEPS_PER_STOP_CHECK`` iterations). A stopped row is turned into padding (sink slot, sink pages), so later iterations never touch its
 state. Padding rows and tokens touch only the sink page and sink slot, so a bucket larger than the live requests
 (or the state slots) never indexes out of bounds.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 import time
 from typing import Callable, Sequence
 
@@ -37,6 +38,11 @@ from .scheduler import ScheduledStep
 # Stop ids checked on the device per row (EOS ids and the request's stop_token_ids); a request with more is
 # still stopped correctly by the host, only later than it could be.
 DEVICE_STOP_IDS = 4
+
+# Decode iterations between the device loop's checks whether every row has stopped. Each check costs a host
+# round trip with the device idle (~30-50 us on an H200, against a 0.7 ms step of the 0.5B geometry); once every
+# row has stopped, up to this many minus one iterations run as padding.
+STEPS_PER_STOP_CHECK = 4
 
 
 def _powers_of_two_upto(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -329,6 +335,13 @@ class StepRunner:
             i, stopped = carry[0], carry[5]
             return (i < decode_steps) & ~jnp.all(stopped)
 
+        # Iterations run in groups of known trip count, which XLA runs without reading a predicate on the host;
+        # the stop check between groups is such a read (a host round trip with the device idle).
+        group = math.gcd(decode_steps, STEPS_PER_STOP_CHECK)
+
+        def iterations(carry):
+            return jax.lax.fori_loop(0, group, lambda _, c: body(c), carry)
+
         carry = (
             jnp.int32(0),
             tokens,
@@ -338,7 +351,11 @@ class StepRunner:
             stopped,
             jnp.zeros((rows,), jnp.int32),
         )
-        _, _, cache, out_tokens, out_logprobs, _, counts = jax.lax.while_loop(running, body, carry)
+        if group == decode_steps:
+            carry = iterations(carry)
+        else:
+            carry = jax.lax.while_loop(running, iterations, carry)
+        _, _, cache, out_tokens, out_logprobs, _, counts = carry
         return _pack_outputs(out_tokens, out_logprobs, counts), jax.tree.leaves(cache)
 
     def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1):

@@ -2,14 +2,16 @@
 preemption and placements must all reproduce the reference's greedy tokens."""
 
 import os
+import re
 
+import jax
 import numpy as np
 import pytest
 
 from apriel2_jax.engine.cache_layout import cache_layout, plan_cache
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
-from apriel2_jax.engine.step import Buckets, StepRunner, build_inputs
+from apriel2_jax.engine.step import STEPS_PER_STOP_CHECK, Buckets, StepRunner, build_inputs
 from apriel2_jax.engine.scheduler import ScheduledStep
 from apriel2_jax.parity import load_case
 from apriel2_jax.placement import resolve_placement
@@ -166,7 +168,7 @@ def test_prompt_longer_than_context_is_rejected(hybrid):
 
 def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     """Greedy, seeded top-k/top-p sampling, stop ids hit mid-dispatch, budgets ending mid-dispatch and the
-    context limit: a dispatch of up to 5 decode steps per row reproduces one step per dispatch exactly."""
+    context limit: a dispatch of up to 6 decode steps per row reproduces one step per dispatch exactly."""
     case = hybrid[0]
     rng = np.random.default_rng(1)
     prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 26, 9)]
@@ -180,7 +182,7 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
               SamplingParams.greedy(max_new_tokens=12, ignore_eos=True),  # 26 + 12 > max_model_len 32
               SamplingParams.greedy(max_new_tokens=3, logprobs=True)]
     expected = one.generate(prompts, params)
-    many = _engine(hybrid, decode_steps=5, enable_prefix_caching=False)
+    many = _engine(hybrid, decode_steps=6, enable_prefix_caching=False)  # 3 groups of 2 iterations
     got = many.generate(prompts, params)
     for e, g in zip(expected, got):
         assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
@@ -189,6 +191,27 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     assert got[3].finish_reason == "length" and len(got[3].token_ids) == 32 - 26
     assert many.stats.decode_dispatches < one.stats.decode_dispatches
     assert many.stats.decode_tokens == one.stats.decode_tokens - len(reference) + 1  # one also ran the reference
+
+
+@pytest.mark.parametrize("decode_steps, group", [(16, STEPS_PER_STOP_CHECK), (2, 2)])
+def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, decode_steps, group):
+    """The device loop over decode iterations runs in groups of a trip count XLA knows (so the runtime needs no
+    host read of a loop predicate per iteration); only the loop over groups, which stops early once every row has
+    stopped, has none."""
+    runner = hybrid[2]
+    llm = _engine(hybrid, decode_steps=decode_steps)
+    inputs = build_inputs(ScheduledStep("prefill", (), ()), (4, 1), llm.cache_manager)
+    leaves, tree = jax.tree.flatten(llm._cache)
+    compiled = runner._step.lower(
+        runner.param_leaves, leaves, inputs.ints, inputs.floats, cache_tree=tree, cache_specs=None,
+        layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False).compile()
+    carried = leaves[0]  # every cache array is carried through the decode loop
+    cache_shape = f"f32[{','.join(map(str, carried.shape))}]"
+    trip_counts = [re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+                   for line in compiled.as_text().splitlines() if " while(" in line and cache_shape in line]
+    trip_counts = [int(m.group(1)) if m else None for m in trip_counts]
+    expected = [group] if group == decode_steps else [group, None]
+    assert sorted(trip_counts, key=str) == sorted(expected, key=str), trip_counts
 
 
 def test_stream_events_carry_each_dispatch_tokens_and_logprobs(hybrid):
