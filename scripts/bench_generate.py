@@ -31,6 +31,10 @@ bytes; inactive sub-mixers only cost memory). Measures, side by side in one proc
     times back to back at 1, ``--decode-steps`` and twice that many steps per dispatch (ms per dispatch, and the
     host time of the call for one step), and the host time of launching a trivial jitted call by its number
     of array arguments and donated arrays.
+  * ``--sampler``: instead, the decode sampler (``engine.sampling.sample``, no top-k/top-p) on ``--batch``
+    rows of random logits at the geometry's vocabulary, half the rows greedy, against the same sampler drawing
+    with ``jax.random.categorical`` (threefry noise per vocabulary entry): kernel time per call from a
+    ``jax.profiler`` trace, and the logits' bytes (bf16, read once) over the bandwidth. No placement needed.
 Prints one table row per placement and batch; ``--json`` appends the rows to a JSONL file.
 """
 
@@ -57,7 +61,7 @@ from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
 from apriel2_jax.engine.llm import LLM  # noqa: E402
-from apriel2_jax.engine.sampling import SamplingParams  # noqa: E402
+from apriel2_jax.engine.sampling import GREEDY_TEMPERATURE, SamplingParams, make_keys, sample  # noqa: E402
 from apriel2_jax.engine.defaults import DEFAULTS  # noqa: E402
 from apriel2_jax.engine.step import Buckets, build_inputs, unpack_outputs  # noqa: E402
 from apriel2_jax.modules import Apriel2ForCausalLM  # noqa: E402
@@ -93,7 +97,7 @@ def decode_bytes(layout, batch: int, context: int, dtype_bytes: int, weights: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config_dir")
-    ap.add_argument("--placement", required=True, nargs="+", help="one or more placement names (one row each)")
+    ap.add_argument("--placement", nargs="+", default=[], help="one or more placement names (one row each)")
     ap.add_argument("--batch", type=int, nargs="+", default=[8], help="decode batch sizes (one row each)")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=64)
@@ -133,8 +137,12 @@ def main(argv=None) -> int:
                     "baseline")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
+    ap.add_argument("--sampler", action="store_true",
+                    help="time the decode sampler against jax.random.categorical instead (see the module docstring)")
     ap.add_argument("--json", default=None, help="append the result rows to this JSONL file")
     args = ap.parse_args(argv)
+    if not args.placement and not args.sampler:
+        ap.error("--placement is required (one or more placement names of the config)")
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
     if args.xla_decode_projections:
@@ -147,8 +155,8 @@ def main(argv=None) -> int:
     supernet = parse_config(raw)
     named = load_placements(args.config_dir)
     bandwidth = hbm_bandwidth()
-    rows = []
-    for tp in args.tensor_parallel:
+    rows = sampler_rows(raw, args.batch, bandwidth) if args.sampler else []
+    for tp in args.tensor_parallel if not args.sampler else ():
         for name in args.placement:
             run = (run_capacity if args.capacity else run_shared_prefix if args.shared_prefix
                    else run_kv_prefix if args.kv_prefix else run_dispatch_cost if args.dispatch_cost
@@ -361,6 +369,42 @@ def launch_cost_rows(calls: int = 200) -> list[dict]:
         rows.append({"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), "arrays": arrays,
                      "donated": donated, "launch_us": round((time.perf_counter() - t0) / calls * 1e6, 1)})
         jax.block_until_ready(out)
+    return rows
+
+
+def _categorical_sample(logits, temperature, keys):
+    """The baseline: ``sample``'s path without filters, drawing with ``jax.random.categorical``."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= GREEDY_TEMPERATURE
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def sampler_rows(raw: dict, batches: list[int], bandwidth: float, calls: int = 20) -> list[dict]:
+    vocab = parse_config(raw).vocab_size
+    rows = []
+    for batch in sorted(set(batches)):
+        logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.bfloat16)
+        temperature = jnp.where(jnp.arange(batch) % 2 == 0, 0.0, 0.8).astype(jnp.float32)
+        keys = make_keys(list(range(batch)), [3] * batch)
+        ours = jax.jit(lambda x, t, k: sample(x.astype(jnp.float32), t, jnp.zeros(t.shape, jnp.int32),
+                                              jnp.ones(t.shape, jnp.float32), k, filters=False))
+        kernel_us, tokens = {}, {}
+        for label, fn in (("ours", ours), ("categorical", jax.jit(_categorical_sample))):
+            tokens[label] = np.asarray(jax.block_until_ready(fn(logits, temperature, keys))[0])
+            events = device_intervals(trace_events(lambda: jax.block_until_ready(fn(logits, temperature, keys)), calls))
+            kernel_us[label] = sum(e[2] for e in events) / calls
+        floor_us = batch * vocab * 2 / bandwidth * 1e6
+        timed = kernel_us["ours"] > 0  # no device kernels in the trace on CPU
+        rows.append({"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), "rows": batch,
+                     "vocab": vocab, "sampler_us": round(kernel_us["ours"], 1),
+                     "categorical_us": round(kernel_us["categorical"], 1),
+                     "speedup": round(kernel_us["categorical"] / kernel_us["ours"], 2) if timed else None,
+                     "bytes_floor_us": round(floor_us, 2), "pct_of_floor": round(100 * floor_us / kernel_us["ours"], 1) if timed else None,
+                     "greedy_rows_same": bool((tokens["ours"][::2] == tokens["categorical"][::2]).all())})
     return rows
 
 

@@ -355,6 +355,31 @@ def make_keys(seeds: Sequence[int] | np.ndarray, steps: Sequence[int] | np.ndarr
     return _keys_from_words_jit(seeds_to_words(seeds), np.asarray(steps).astype(np.uint32))
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective 32-bit integer hash with strong avalanche ("lowbias32", C. Wellons' hash-prospector)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _gumbel_sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(scaled)`` by the Gumbel-max trick: ``argmax(scaled + G)`` with ``G``
+    standard Gumbel noise per vocabulary entry.
+
+    ``jax.random.categorical`` makes that noise with threefry, ~100 integer operations per entry: at a 152K
+    vocabulary it cost 38 us per decode step at 32 rows and 280 us at 256 on an H200, more than the rest of
+    sampling together. Here threefry makes two words per row (from the row's key, so a draw still depends
+    only on its seed and step), and each entry's uniform number is a keyed hash of its index, ~12 operations,
+    in the same fused reduction as the argmax. Uniforms lie in (0, 1) at 24-bit resolution."""
+    words = jax.vmap(lambda key: jax.random.bits(key, (2,), jnp.uint32))(keys)
+    index = lax.broadcasted_iota(jnp.uint32, scaled.shape, 1)
+    bits = _mix32(_mix32(index ^ words[:, :1]) ^ words[:, 1:])
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return jnp.argmax(scaled - jnp.log(-jnp.log(uniform)), axis=-1).astype(jnp.int32)
+
+
 def _ordered_bits(x: jax.Array) -> jax.Array:
     """float32 -> uint32 such that ``a < b`` iff ``bits(a) < bits(b)`` (NaN excluded).
 
@@ -447,7 +472,7 @@ def sample(
         scaled = jnp.where(_top_k_mask(scaled, jnp.where(use_top_k, top_k, 0)), scaled, -jnp.inf)
         scaled = jnp.where(_top_p_mask(scaled, jnp.where(use_top_p, top_p, 1.0)), scaled, -jnp.inf)
 
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    sampled = _gumbel_sample(keys, scaled)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
 
     log_z = jax.nn.logsumexp(logits, axis=-1)

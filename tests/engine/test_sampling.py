@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -322,6 +323,22 @@ def test_empirical_distribution_matches(temperature, top_k, top_p):
     assert np.abs(freq - expected).max() < TOL, (freq, expected)
     # Filtered-out tokens must never appear at all.
     assert freq[expected == 0].sum() == 0
+
+
+@pytest.mark.parametrize("top_k", [0, 9])
+def test_empirical_distribution_matches_over_a_larger_vocab(top_k):
+    """Mass spread over entries across a vocabulary of 1003, first and last entries included, comes out in
+    proportion, and entries a filter removed or whose probability underflows to 0 never do."""
+    vocab = 1003
+    logits = np.full(vocab, -200.0, np.float32)  # exp(-200 - max) underflows to 0 in float32
+    heavy = [0, 1, 31, 32, 33, 500, 511, 512, 990, 1001, 1002]
+    logits[heavy] = np.linspace(1.0, 2.5, len(heavy))
+    draws = 8000
+    tokens, _ = _run(np.broadcast_to(logits, (draws, vocab)), 1.0, top_k, 1.0, seeds=np.arange(draws) + 777)
+    expected = _expected(1.0, top_k, 1.0, logits)
+    freq = _frequencies(tokens, vocab)
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(expected))
+    assert np.abs(freq - expected).max() < 0.03, (freq[heavy], expected[heavy])  # max std 0.0051
 
 
 def test_reference_filters_are_not_trivial():
