@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
-"""How fast a decode step can stream its weights: one kernel per matrix against one kernel for all of them.
+"""How fast a decode step can stream its weights: one kernel per matrix against one kernel for all of them, and
+what a dependence between matrices costs either way.
 
     python scripts/bench_weight_streaming.py [--n 9728 --k 896 --layers 24] [--config 64,128,8 ...] [--json PATH]
 
 A decode step at small batch reads every weight once and does little arithmetic, so its floor is bytes over
-bandwidth. Three ways to read ``--layers`` bf16 matrices of [N, K] (default: the 0.5B geometry's gate and up
+bandwidth. Ways to read ``--layers`` bf16 matrices of [N, K] (default: the 0.5B geometry's gate and up
 projections side by side, 17.4 MB per layer), each call of the timed step waiting on the one before
-(``benchmarking.time_looped``: median of 5 rounds of 20 calls):
+(``benchmarking.time_looped``: median of 5 rounds of 20 calls). Every kernel is one Mosaic GPU CTA per SM that
+streams its share of a matrix's [bn, bk] blocks through a ring of ``depth`` SMEM stages filled by TMA
+(``--config bn,bk,depth``) and reads one element of each, so the loads are used; a CTA's share is a contiguous
+range of blocks, balanced to within one.
 
-- **per-matrix kernels**: one Mosaic GPU kernel per matrix, run one after another on the stream: one CTA per SM
-  streams its share of row blocks [bn, bk] through a TMA pipeline of ``depth`` SMEM stages (``--config
-  bn,bk,depth``) and reads one element of each block, so the loads are used.
-- **one kernel**: the same kernel once over the matrices stacked: the bytes of all layers with a single start and
-  tail.
+- **per-matrix kernels**: one kernel per matrix, each reading the previous one's output (a true dependence, as a
+  layer's projections have): every matrix pays a kernel's start and tail.
+- **per-matrix kernels, PDL**: the same with programmatic dependent launch: each kernel lets the next launch at
+  once (``griddepcontrol.launch_dependents``) and issues its first weight loads before waiting for the previous
+  kernel (``griddepcontrol.wait``), so a weight stream could start under the previous kernel's tail.
+- **one kernel**: the matrices in one kernel: the bytes of all layers with a single start and tail.
+- **one kernel, grid barrier per matrix**: one persistent kernel in which every CTA waits for all others after
+  each matrix (a global counter: a release add, then polling), as phases that depend on each other's results
+  would; the next matrix's first loads are in flight across the barrier.
+- **grid barriers alone**: the same barriers without the weights: a barrier's own cost.
 - **decode GEMV**: ``pallas_kernels.decode_gemv.norm_gated_mlp_kernel`` (RMSNorm + gate/up + activation product,
   one row) once per layer: the engine's kernel on the same bytes, arithmetic included.
 
-The gap between the first two is each kernel's fixed cost (launch, pipeline fill, tail), which a decode step
-pays for every projection. Needs a GPU (Mosaic GPU kernels do not run on the CPU).
+Needs a GPU (Mosaic GPU kernels do not run on the CPU).
 """
 
 from __future__ import annotations
@@ -25,45 +33,95 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from pallas_kernels.decode_gemv import norm_gated_mlp_kernel  # noqa: E402
 
+F32 = jnp.float32
 
-def stream_rows(w: jax.Array, after: jax.Array, *, programs: int, bn: int, bk: int, depth: int) -> jax.Array:
-    """Read all of ``w`` [N, K] through SMEM: CTA p takes row blocks p, p + programs, ... (clamped at the end, so a
-    short last round re-reads the last block). Returns one float per CTA (a sum of one element per block).
-    ``after`` is not read: an input that orders the kernel behind whatever computed it."""
-    n, k = w.shape
-    if n % bn or k % bk:
-        raise ValueError(f"--config {bn},{bk},{depth}: the blocks must divide the matrix [{n}, {k}]")
-    blocks, chunks = n // bn, k // bk
-    rounds = -(-blocks // programs)
 
-    def body(w_gmem, _, out_gmem):
-        p = jax.lax.axis_index("p")
+def stream_blocks(w: jax.Array, x: jax.Array, *, matrices: int, programs: int, bn: int, bk: int, depth: int,
+                  pdl: bool = False, barrier: bool = False, weights: bool = True) -> jax.Array:
+    """Read ``matrices`` stacked [N, K] matrices (``w``: [matrices * N, K]) through SMEM, matrix after matrix.
+    Returns one float per CTA; ``x`` [programs] (the previous kernel's output) is read before the first block
+    is used, so a chain of calls is a chain of dependent kernels. ``barrier``: all CTAs meet after each matrix.
+    ``weights=False`` skips the loads (barriers alone)."""
+    total_n, k = w.shape
+    n = total_n // matrices
+    if n * matrices != total_n or n % bn or k % bk:
+        raise ValueError(f"--config {bn},{bk},{depth}: the blocks must divide each [{n}, {k}] matrix")
+    units = (n // bn) * (k // bk)  # [bn, bk] blocks of one matrix, row-major
+    if units < programs:
+        raise ValueError(f"--config {bn},{bk},{depth}: {units} blocks per matrix leave some of the {programs} "
+                         "CTAs without one; use smaller blocks")
 
-        def step(_, w_smem, carry):
-            return carry + w_smem[0, 0].astype(jnp.float32)
+    def body(w_gmem, x_gmem, out_gmem, scratch):
+        (w_smem, x_smem), (ready, x_ready) = scratch
+        p = lax.axis_index("p")
+        first, last = p * units // programs, (p + 1) * units // programs
+        mine = last - first
+        steps = mine * matrices if weights else 0
+        counter = pl.get_global(plgpu.SemaphoreType.REGULAR((2,))) if barrier else None
 
-        total = plgpu.emit_pipeline(
-            step, grid=(rounds, chunks),
-            in_specs=[plgpu.BlockSpec((bn, bk), lambda i, j: (jnp.minimum(p + i * programs, blocks - 1), j))],
-            max_concurrent_steps=depth, init_carry=jnp.float32(0.0),
-        )(w_gmem)
-        out_gmem[p] = total
+        def issue(step):
+            unit = first + step % mine
+            row = (step // mine) * n + (unit // (k // bk)) * bn
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(row, bn), pl.ds((unit % (k // bk)) * bk, bk)],
+                                    w_smem.at[step % depth], ready.at[step % depth])
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs,), jnp.float32), grid=(programs,),
-                        grid_names=("p",))(w, after)
+        if pdl:
+            plgpu.griddepcontrol_launch_dependents()
+        for step in range(depth):
+            pl.when(step < steps)(functools.partial(issue, step))
+        if pdl:
+            plgpu.griddepcontrol_wait()
+        plgpu.copy_gmem_to_smem(x_gmem, x_smem, x_ready.at[0])
+        plgpu.barrier_wait(x_ready.at[0])
+
+        def matrix(m, total):
+            def block(i, total):
+                step = m * mine + i
+                plgpu.barrier_wait(ready.at[step % depth])
+                total = total + w_smem[step % depth, 0, 0].astype(F32)
+
+                @pl.when(step + depth < steps)
+                def _():
+                    issue(step + depth)
+                return total
+
+            if weights:
+                total = lax.fori_loop(0, mine, block, total)
+            if barrier:
+                plgpu.semaphore_signal(counter.at[0], 1, memory_scope="gpu")
+                plgpu.semaphore_wait(counter.at[0], (m + 1) * programs, decrement=False, memory_scope="gpu")
+            return total
+
+        total = lax.fori_loop(0, matrices, matrix, jnp.float32(0.0))
+        if barrier:  # leave the counter at zero for the next call: CTA 0 resets it once every CTA is past it
+            plgpu.semaphore_signal(counter.at[1], 1, memory_scope="gpu")
+
+            @pl.when(p == 0)
+            def _():
+                plgpu.semaphore_wait(counter.at[1], programs, memory_scope="gpu")
+                plgpu.semaphore_signal(counter.at[0], -matrices * programs, memory_scope="gpu")
+        out_gmem[p] = 0.5 * total + 0.5 * x_smem[p]
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s),
+                      (plgpu.SMEM((depth, bn, bk), w.dtype), plgpu.SMEM((programs,), F32)),
+                      (plgpu.Barrier(num_barriers=depth), plgpu.Barrier(num_barriers=1)))
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((programs,), F32), grid=(programs,),
+                        grid_names=("p",))(w, x)
 
 
 def per_layer_us(step, weights, carry, layers: int) -> float:
@@ -97,30 +155,33 @@ def main(argv=None) -> int:
           f"({mbytes:.1f} MB each)", flush=True)
     keys = jax.random.split(jax.random.PRNGKey(0), layers)
     mats = [(0.02 * jax.random.normal(key, (n, k))).astype(jnp.bfloat16) for key in keys]
+    stacked = jnp.concatenate(mats, axis=0)
+    carry = lambda: jnp.zeros((programs,), F32)  # noqa: E731  (time_looped donates it)
     rows = []
 
-    def record(way, config, us):
-        tbs = mbytes / us  # MB per µs = TB/s
-        rows.append(dict(device=device, way=way, config=config, layers=layers, mb_per_layer=round(mbytes, 1),
+    def record(way, config, us, mb=mbytes):
+        tbs = mb / us  # MB per µs = TB/s
+        rows.append(dict(device=device, way=way, config=config, layers=layers, mb_per_layer=round(mb, 1),
                          us_per_layer=round(us, 2), tb_s=round(tbs, 2),
                          pct_copy_bw=round(100 * tbs * 1e12 / bandwidth)))
 
     for bn, bk, depth in configs:
-        read = functools.partial(stream_rows, programs=programs, bn=bn, bk=bk, depth=depth)
-
-        def per_matrix(matrices, x, read=read):
-            # One stream runs the kernels one after another; a data dependence between them would add an XLA op
-            # per layer, so they all wait on the call's input and their outputs are summed at the end.
-            return x + sum(read(w, x)[0] for w in matrices)
-
-        def one_kernel(stacked, x, read=read):
-            return x + read(stacked, x)[0]
-
-        carry = lambda: jnp.zeros((1,), jnp.float32)  # noqa: E731  (time_looped donates it)
-        record("per-matrix kernels", f"{bn},{bk},{depth}", per_layer_us(per_matrix, mats, carry(), layers))
-        stacked = jnp.concatenate(mats, axis=0)
-        record("one kernel", f"{bn},{bk},{depth}", per_layer_us(one_kernel, stacked, carry(), layers))
-        del stacked
+        config = f"{bn},{bk},{depth}"
+        read = functools.partial(stream_blocks, programs=programs, bn=bn, bk=bk, depth=depth)
+        for way, kw in (("per-matrix kernels", {}), ("per-matrix kernels, PDL", {"pdl": True})):
+            def chain(matrices, x, kw=kw, read=read):
+                for w in matrices:
+                    x = read(w, x, matrices=1, **kw)
+                return x
+            record(way, config, per_layer_us(chain, mats, carry(), layers))
+        for way, kw in (("one kernel", {}), ("one kernel, grid barrier per matrix", {"barrier": True})):
+            one = functools.partial(read, matrices=layers, **kw)
+            record(way, config, per_layer_us(one, stacked, carry(), layers))
+    bn, bk, depth = configs[0]
+    barriers = functools.partial(stream_blocks, matrices=layers, programs=programs, bn=bn, bk=bk, depth=depth,
+                                 barrier=True, weights=False)
+    record("grid barriers alone", "-", per_layer_us(barriers, stacked, carry(), layers), mb=0.0)
+    del stacked
 
     half = n // 2
     norm_weight = jnp.ones((k,), jnp.bfloat16)
