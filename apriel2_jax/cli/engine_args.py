@@ -54,7 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-rows", type=int, default=None,
                    help="sequences prefilled in one step (default: --max-num-seqs)")
     g.add_argument("--decode-steps", type=int, default=d.decode_steps,
-                   help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps})")
+                   help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps}; "
+                   "fewer while requests wait to be prefilled)")
     g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
     g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
                    help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")

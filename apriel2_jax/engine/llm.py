@@ -36,7 +36,7 @@ from .kv_connector import transfer
 from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, Scheduler, SchedulerConfig
-from .step import Buckets, StepRunner, build_inputs, unpack_outputs
+from .step import STEPS_PER_STOP_CHECK, Buckets, StepRunner, build_inputs, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -123,7 +123,8 @@ class LLM:
     ):
         """``max_chunk`` (longest prefill piece of one prompt per step) defaults to the token budget and
         ``max_prefill_rows`` to ``max_num_seqs``. ``decode_steps``: tokens a decode dispatch may generate per
-        sequence (a device loop with on-device stop checks). ``warm_up``: which step shapes to compile before
+        sequence (a device loop with on-device stop checks; shorter while requests wait to be prefilled, see
+        ``Scheduler.decode_cap``). ``warm_up``: which step shapes to compile before
         serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the others compile
         when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
         per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
@@ -202,6 +203,7 @@ class LLM:
             max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows, decode_steps, self.max_model_len,
             # Buckets built for the token budget keep padded steps within it; given buckets are taken as they are.
             padded_size=self._padded_prefill_size if self.buckets.max_tokens is not None else None,
+            decode_steps_while_prefilling=STEPS_PER_STOP_CHECK,
         )
         self._warm_up = warm_up
         self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)

@@ -5,9 +5,10 @@ one feeds that token: rows of length 1) or a *prefill* step (chunks of prompts, 
 budget). The two kinds alternate while both have work, so long prompts never starve decoding and decoding never
 blocks admission. A decode row costs one token slot; mixing it into a padded prefill step would cost a whole
 chunk, which is why the kinds are kept apart. A decode row carries a *budget*: the tokens the step may generate
-for it in one dispatch (``decode_steps``, fewer near ``max_new_tokens`` or ``max_model_len``), with pages for
-all of them allocated up front; when they are not free the row gets a budget of one token (and the usual
-preemption), so speculative allocation never preempts anyone.
+for it in one dispatch (``decode_steps``, fewer near ``max_new_tokens`` or ``max_model_len`` and while requests
+wait to be prefilled: ``Scheduler.decode_cap``), with pages for all of them allocated up front; when they are not
+free the row gets a budget of one token (and the usual preemption), so speculative allocation never preempts
+anyone.
 
 A request is "done prefilling" once its cached length reaches ``num_tokens - 1``: the last token is either the
 last prompt token (fed in the final chunk, whose logits give the first sampled token) or a sampled token that
@@ -121,6 +122,11 @@ class SchedulerConfig:
     # (rows, longest row) -> tokens the step computes once padded to its shape; a prefill step stays within
     # max_num_batched_tokens counted this way, so padding never makes a step larger than the budget
     padded_size: Callable[[int, int], int] | None = None
+    # Tokens a decode dispatch may generate while prefill work could run (a prompt partly prefilled, or a waiting
+    # request the last prefill attempt could admit): a longer device loop holds that prefill back until it ends.
+    # The device loop checks for stopped rows every this many iterations (the LLM passes STEPS_PER_STOP_CHECK), so
+    # shortened dispatches are multiples of it: a shorter one would run the rest of its group as padding anyway.
+    decode_steps_while_prefilling: int = 4
 
 
 class Scheduler:
@@ -137,6 +143,7 @@ class Scheduler:
         self.loading: dict[Hashable, Request] = {}  # requests whose prefix is being loaded by the connector
         self._arrivals = itertools.count()
         self._last_kind = "prefill"
+        self._prefill_blocked = False  # the last prefill attempt found waiting requests but scheduled nothing
 
     # ------------------------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -236,6 +243,8 @@ class Scheduler:
         preempted: list[Request] = []
         for kind in ("decode", "prefill") if first_decode else ("prefill", "decode"):
             rows = self._schedule_decode(preempted) if kind == "decode" else self._schedule_prefill(preempted)
+            if kind == "prefill":
+                self._prefill_blocked = not rows and bool(self.waiting)
             if rows:
                 self._last_kind = kind
                 return ScheduledStep(kind, tuple(rows), tuple(preempted))
@@ -248,11 +257,28 @@ class Scheduler:
             budget = min(budget, self.config.max_model_len - request.num_tokens)
         return max(1, budget)
 
+    def decode_cap(self) -> int:
+        """The most tokens any row may generate in the next decode dispatch. The rows run in one device loop, so
+        with requests waiting a long loop would delay them: while prefill work could run, the dispatch is short
+        (``decode_steps_while_prefilling``); while the waiting requests cannot be admitted (every slot taken, or
+        no pages), it ends when the first running request reaches its token limit, so that request's slot and
+        pages go to a waiting one at once instead of idling until the loop ends."""
+        cap, short = self.config.decode_steps, max(1, self.config.decode_steps_while_prefilling)
+        decoding = [r for r in self.running if r.status is RequestStatus.RUNNING and r.pending == 1]
+        partial = any(r.status is RequestStatus.RUNNING and r.pending > 1 for r in self.running)
+        if partial or (self.waiting and not self._prefill_blocked and self.num_admitted < self.config.max_num_seqs):
+            return min(cap, short)
+        if self.waiting and decoding:
+            first_end = min(self.decode_budget(r) for r in decoding)
+            cap = min(cap, -(-first_end // short) * short)
+        return cap
+
     def _schedule_decode(self, preempted: list[Request]) -> list[ScheduledRow]:
         rows = []
+        cap = self.decode_cap()
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.pending == 1:
-                budget = self.decode_budget(request)
+                budget = min(self.decode_budget(request), cap)
                 # Pages for the whole budget if they are free; otherwise one token, preempting if need be.
                 if budget > 1 and not self.cache.try_allocate(request.request_id, request.num_computed, budget):
                     budget = 1

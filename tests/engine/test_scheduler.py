@@ -229,3 +229,63 @@ def test_cached_pages_are_evicted_under_pressure_and_hits_still_resume_correctly
     assert scheduler.cache.pools["full"].evictions > 0 and scheduler.prefix.snapshots.evictions > 0
     assert scheduler.prefix.stats.hit_tokens == 16 + 20
     assert all(used == 0 for used, _ in scheduler.cache.usage().values())
+
+
+def _prefill_then_sample(scheduler, request):
+    step = scheduler.schedule()
+    assert step.kind == "prefill" and [row.request for row in step.rows] == [request]
+    scheduler.complete(step)
+    request.output_ids.append(1)
+
+
+def _decode(scheduler) -> dict:
+    """One decode step, every row running its whole budget; returns {request id: budget}."""
+    step = scheduler.schedule()
+    assert step.kind == "decode"
+    budgets = {row.request.request_id: row.budget for row in step.rows}
+    scheduler.complete(step, {row.request: row.budget for row in step.rows})
+    for row in step.rows:
+        row.request.output_ids.extend([1] * row.budget)
+    return budgets
+
+
+def test_decode_dispatches_are_long_only_while_nobody_waits():
+    """decode_steps tokens per dispatch with nothing waiting; a short dispatch (decode_steps_while_prefilling)
+    while a waiting request could be admitted, so its prefill is not held back by a long device loop."""
+    scheduler = _engine(page_size=4, max_num_seqs=3, budget_tokens=64, chunk=64, window=40, extra_pages=40,
+                        decode_steps=16)
+    assert scheduler.config.decode_steps_while_prefilling == 4
+    a = Request("a", list(range(8)), SamplingParams(max_new_tokens=60))
+    scheduler.add(a)
+    _prefill_then_sample(scheduler, a)
+    assert _decode(scheduler) == {"a": 16}
+    b = Request("b", list(range(8)), SamplingParams(max_new_tokens=60))
+    scheduler.add(b)
+    _prefill_then_sample(scheduler, b)  # a prefill comes first: the last step was a decode
+    c = Request("c", list(range(8)), SamplingParams(max_new_tokens=60))
+    scheduler.add(c)
+    assert _decode(scheduler) == {"a": 4, "b": 4}  # c waits and a slot is free: short
+    _prefill_then_sample(scheduler, c)
+    assert _decode(scheduler) == {"a": 16, "b": 16, "c": 16}  # nothing waits any more
+
+
+def test_with_every_slot_taken_a_dispatch_ends_at_the_first_known_finish():
+    """Waiting requests that cannot be admitted get the slot of the first running request to reach its token
+    limit as soon as it does: the dispatch ends there (rounded up to the device loop's stop-check group)."""
+    scheduler = _engine(page_size=4, max_num_seqs=2, budget_tokens=64, chunk=64, window=40, extra_pages=40,
+                        decode_steps=16)
+    a = Request("a", list(range(8)), SamplingParams(max_new_tokens=60))
+    b = Request("b", list(range(8)), SamplingParams(max_new_tokens=7))
+    for request in (a, b):
+        scheduler.add(request)
+    step = scheduler.schedule()
+    assert step.kind == "prefill" and len(step.rows) == 2
+    scheduler.complete(step)
+    for request in (a, b):
+        request.output_ids.append(1)
+    scheduler.add(Request("c", list(range(8)), SamplingParams(max_new_tokens=60)))
+    # b has 6 tokens left: the dispatch runs 8 (two groups of 4), b stopping at its 6.
+    assert _decode(scheduler) == {"a": 8, "b": 6}
+    scheduler.finish(b, "length")
+    step = scheduler.schedule()  # c takes b's slot at once
+    assert step.kind == "prefill" and [row.request.request_id for row in step.rows] == ["c"]
