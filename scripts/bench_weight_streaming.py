@@ -16,7 +16,9 @@ range of blocks, balanced to within one.
   layer's projections have): every matrix pays a kernel's start and tail.
 - **per-matrix kernels, PDL**: the same with programmatic dependent launch: each kernel lets the next launch at
   once (``griddepcontrol.launch_dependents``) and issues its first weight loads before waiting for the previous
-  kernel (``griddepcontrol.wait``), so a weight stream could start under the previous kernel's tail.
+  kernel (``griddepcontrol.wait``), so a weight stream could start under the previous kernel's tail where a
+  CTA of each fits on an SM (``depth`` stages of [bn, bk] within half of the SMEM: e.g. 32,128,12 but not
+  64,128,8).
 - **one kernel**: the matrices in one kernel: the bytes of all layers with a single start and tail.
 - **one kernel, grid barrier per matrix**: one persistent kernel in which every CTA waits for all others after
   each matrix (a global counter: a release add, then polling), as phases that depend on each other's results
@@ -52,8 +54,8 @@ F32 = jnp.float32
 def stream_blocks(w: jax.Array, x: jax.Array, *, matrices: int, programs: int, bn: int, bk: int, depth: int,
                   pdl: bool = False, barrier: bool = False, weights: bool = True) -> jax.Array:
     """Read ``matrices`` stacked [N, K] matrices (``w``: [matrices * N, K]) through SMEM, matrix after matrix.
-    Returns one float per CTA; ``x`` [programs] (the previous kernel's output) is read before the first block
-    is used, so a chain of calls is a chain of dependent kernels. ``barrier``: all CTAs meet after each matrix.
+    Returns one float per CTA, padded to ``carry_size(programs)``; ``x`` of that size (the previous kernel's
+    output) is read before the first block is used, so a chain of calls is a chain of dependent kernels. ``barrier``: all CTAs meet after each matrix.
     ``weights=False`` skips the loads (barriers alone)."""
     total_n, k = w.shape
     n = total_n // matrices
@@ -117,11 +119,18 @@ def stream_blocks(w: jax.Array, x: jax.Array, *, matrices: int, programs: int, b
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s),
-                      (plgpu.SMEM((depth, bn, bk), w.dtype), plgpu.SMEM((programs,), F32)),
+                      (plgpu.SMEM((depth, bn, bk), w.dtype), plgpu.SMEM(x.shape, F32)),
                       (plgpu.Barrier(num_barriers=depth), plgpu.Barrier(num_barriers=1)))
 
-    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((programs,), F32), grid=(programs,),
+    if x.shape != (carry_size(programs),):
+        raise ValueError(f"x must be [{carry_size(programs)}] (carry_size), got {list(x.shape)}")
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(x.shape, F32), grid=(programs,),
                         grid_names=("p",))(w, x)
+
+
+def carry_size(programs: int) -> int:
+    """Floats in the carry between kernels: one per CTA, padded to 16 bytes (a TMA copy's granule)."""
+    return -(-programs // 4) * 4
 
 
 def per_layer_us(step, weights, carry, layers: int) -> float:
@@ -156,7 +165,7 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.PRNGKey(0), layers)
     mats = [(0.02 * jax.random.normal(key, (n, k))).astype(jnp.bfloat16) for key in keys]
     stacked = jnp.concatenate(mats, axis=0)
-    carry = lambda: jnp.zeros((programs,), F32)  # noqa: E731  (time_looped donates it)
+    carry = lambda: jnp.zeros((carry_size(programs),), F32)  # noqa: E731  (time_looped donates it)
     rows = []
 
     def record(way, config, us, mb=mbytes):

@@ -36,7 +36,7 @@ from .kv_connector import transfer
 from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, Scheduler, SchedulerConfig
-from .step import STEPS_PER_STOP_CHECK, Buckets, StepRunner, build_inputs, unpack_outputs
+from .step import Buckets, StepRunner, build_inputs, stop_check_group, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -203,7 +203,7 @@ class LLM:
             max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows, decode_steps, self.max_model_len,
             # Buckets built for the token budget keep padded steps within it; given buckets are taken as they are.
             padded_size=self._padded_prefill_size if self.buckets.max_tokens is not None else None,
-            decode_steps_while_prefilling=STEPS_PER_STOP_CHECK,
+            decode_steps_while_prefilling=stop_check_group(decode_steps),
         )
         self._warm_up = warm_up
         self._cache_bytes = cache_bytes if cache_bytes is not None else self._budget_from_device(cache_memory_fraction)

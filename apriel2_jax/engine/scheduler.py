@@ -122,10 +122,10 @@ class SchedulerConfig:
     # (rows, longest row) -> tokens the step computes once padded to its shape; a prefill step stays within
     # max_num_batched_tokens counted this way, so padding never makes a step larger than the budget
     padded_size: Callable[[int, int], int] | None = None
-    # Tokens a decode dispatch may generate while prefill work could run (a prompt partly prefilled, or a waiting
-    # request the last prefill attempt could admit): a longer device loop holds that prefill back until it ends.
-    # The device loop checks for stopped rows every this many iterations (the LLM passes STEPS_PER_STOP_CHECK), so
-    # shortened dispatches are multiples of it: a shorter one would run the rest of its group as padding anyway.
+    # Tokens a decode dispatch may generate while prefill work could run (a prompt partly prefilled, a prefix
+    # being loaded, or a waiting request the last prefill attempt could admit): a longer device loop holds that
+    # prefill back until it ends. The LLM passes the device loop's stop-check group (``step.stop_check_group``):
+    # a dispatch runs whole groups, so shortened dispatches are multiples of it.
     decode_steps_while_prefilling: int = 4
 
 
@@ -259,14 +259,17 @@ class Scheduler:
 
     def decode_cap(self) -> int:
         """The most tokens any row may generate in the next decode dispatch. The rows run in one device loop, so
-        with requests waiting a long loop would delay them: while prefill work could run, the dispatch is short
-        (``decode_steps_while_prefilling``); while the waiting requests cannot be admitted (every slot taken, or
-        no pages), it ends when the first running request reaches its token limit, so that request's slot and
-        pages go to a waiting one at once instead of idling until the loop ends."""
+        with requests waiting a long loop would delay them: while prefill work could run (a prompt partly
+        prefilled, a prefix being loaded, or a waiting request the last prefill attempt could admit), the
+        dispatch is short (``decode_steps_while_prefilling``); while the waiting requests cannot be admitted
+        (every slot taken, no pages, or their prefix still being computed), it ends when the first running request
+        reaches its token limit, so that request's slot and pages go to a waiting one at once instead of idling
+        until the loop ends."""
         cap, short = self.config.decode_steps, max(1, self.config.decode_steps_while_prefilling)
         decoding = [r for r in self.running if r.status is RequestStatus.RUNNING and r.pending == 1]
         partial = any(r.status is RequestStatus.RUNNING and r.pending > 1 for r in self.running)
-        if partial or (self.waiting and not self._prefill_blocked and self.num_admitted < self.config.max_num_seqs):
+        admissible = self.waiting and not self._prefill_blocked and self.num_admitted < self.config.max_num_seqs
+        if partial or self.loading or admissible:
             return min(cap, short)
         if self.waiting and decoding:
             first_end = min(self.decode_budget(r) for r in decoding)

@@ -45,6 +45,12 @@ DEVICE_STOP_IDS = 4
 STEPS_PER_STOP_CHECK = 4
 
 
+def stop_check_group(decode_steps: int) -> int:
+    """Iterations between the device loop's stop checks for dispatches of up to ``decode_steps`` steps: a dispatch
+    runs whole groups, so a row that stops mid-group leaves the rest of the group as padding."""
+    return math.gcd(decode_steps, STEPS_PER_STOP_CHECK)
+
+
 def _powers_of_two_upto(limit: int, start: int = 1) -> tuple[int, ...]:
     sizes, size = [], start
     while size < limit:
@@ -337,7 +343,7 @@ class StepRunner:
 
         # Iterations run in groups of known trip count, which XLA runs without reading a predicate on the host;
         # the stop check between groups is such a read (a host round trip with the device idle).
-        group = math.gcd(decode_steps, STEPS_PER_STOP_CHECK)
+        group = stop_check_group(decode_steps)
 
         def iterations(carry):
             return jax.lax.fori_loop(0, group, lambda _, c: body(c), carry)
