@@ -12,7 +12,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # Tests never write the user's persistent compilation cache. They share one for the session, in a temporary
 # directory removed at exit: many tests build engines over the same golden models, and on the CPU compiling their
-# steps is most of a test's time (a prefix-caching test: 56 s compiling, 18 s with the steps cached). Tests of the
+# steps is most of a test's time (a prefix-caching test: 56 s with an empty cache, 18 s with its steps cached). Tests of the
 # cache give their own directory; APRIEL2_JAX_CACHE_DIR set by the caller (e.g. "off") is kept.
 if "APRIEL2_JAX_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = tempfile.mkdtemp(prefix="apriel2-jax-test-xla-")

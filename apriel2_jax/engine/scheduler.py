@@ -266,14 +266,14 @@ class Scheduler:
         reaches its token limit, so that request's slot and pages go to a waiting one at once instead of idling
         until the loop ends."""
         cap, short = self.config.decode_steps, max(1, self.config.decode_steps_while_prefilling)
-        decoding = [r for r in self.running if r.status is RequestStatus.RUNNING and r.pending == 1]
-        partial = any(r.status is RequestStatus.RUNNING and r.pending > 1 for r in self.running)
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         admissible = self.waiting and not self._prefill_blocked and self.num_admitted < self.config.max_num_seqs
-        if partial or self.loading or admissible:
+        if admissible or self.loading or any(r.pending > 1 for r in running):
             return min(cap, short)
-        if self.waiting and decoding:
-            first_end = min(self.decode_budget(r) for r in decoding)
-            cap = min(cap, -(-first_end // short) * short)
+        if self.waiting:
+            ends = [self.decode_budget(r) for r in running if r.pending == 1]
+            if ends:
+                cap = min(cap, -(-min(ends) // short) * short)
         return cap
 
     def _schedule_decode(self, preempted: list[Request]) -> list[ScheduledRow]:

@@ -8,8 +8,8 @@ as flat lists of arrays, so a call costs the host microseconds rather than a pyt
 A decode step runs up to ``decode_steps`` tokens per row in one dispatch: a device loop feeds each row's
 sampled token back, stops a row at one of its stop ids or at its token budget, and ends when every row has
 stopped (checked every ``STEPS_PER_STOP_CHECK`` iterations). A stopped row is turned into padding (sink slot,
-sink pages), so later iterations never touch its state. Padding rows and tokens touch only the sink page and sink slot, so a bucket larger than the live requests
-(or the state slots) never indexes out of bounds.
+sink pages), so later iterations never touch its state. Padding rows and tokens touch only the sink page and sink
+slot, so a bucket larger than the live requests (or the state slots) never indexes out of bounds.
 """
 
 from __future__ import annotations

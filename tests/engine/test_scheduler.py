@@ -237,11 +237,13 @@ def test_cached_pages_are_evicted_under_pressure_and_hits_still_resume_correctly
     assert all(used == 0 for used, _ in scheduler.cache.usage().values())
 
 
-def _prefill_then_sample(scheduler, request):
+def _prefill_then_sample(scheduler, *requests):
+    """Prefill the waiting ``requests`` in one step and give each its first sampled token."""
     step = scheduler.schedule()
-    assert step.kind == "prefill" and [row.request for row in step.rows] == [request]
+    assert step.kind == "prefill" and [row.request for row in step.rows] == list(requests)
     scheduler.complete(step)
-    request.output_ids.append(1)
+    for request in requests:
+        request.output_ids.append(1)
 
 
 def _decode(scheduler) -> dict:
@@ -284,11 +286,7 @@ def test_with_every_slot_taken_a_dispatch_ends_at_the_first_known_finish():
     b = Request("b", list(range(8)), SamplingParams(max_new_tokens=7))
     for request in (a, b):
         scheduler.add(request)
-    step = scheduler.schedule()
-    assert step.kind == "prefill" and len(step.rows) == 2
-    scheduler.complete(step)
-    for request in (a, b):
-        request.output_ids.append(1)
+    _prefill_then_sample(scheduler, a, b)
     scheduler.add(Request("c", list(range(8)), SamplingParams(max_new_tokens=60)))
     # b has 6 tokens left: the dispatch runs 8 (two groups of 4), b stopping at its 6.
     assert _decode(scheduler) == {"a": 8, "b": 6}
@@ -319,11 +317,7 @@ def test_a_waiting_request_without_pages_does_not_shorten_dispatches():
     b = Request("b", list(range(16)), SamplingParams(max_new_tokens=20))
     for request in (a, b):
         scheduler.add(request)
-    step = scheduler.schedule()
-    assert step.kind == "prefill" and len(step.rows) == 2
-    scheduler.complete(step)
-    for request in (a, b):
-        request.output_ids.append(1)
+    _prefill_then_sample(scheduler, a, b)
     scheduler.add(Request("c", list(range(70)), SamplingParams(max_new_tokens=5)))
     assert _decode(scheduler) == {"a": 4, "b": 4}  # the last prefill attempt admitted: c might fit
     # The next attempt finds no pages for c: the dispatch runs to the first finish (15 tokens left each).
