@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                     help="decode projections as XLA's fusions (norms, matmuls, activation product and residual adds "
                     "apart) instead of the fused GEMV kernels of pallas_kernels/decode_gemv: their side-by-side "
                     "baseline")
+    ap.add_argument("--decode-mlp-kernel", action="store_true",
+                    help="decode MLPs of 8-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
+                    "registered by default) instead of XLA's GEMMs")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--sampler", action="store_true",
@@ -147,8 +150,12 @@ def main(argv=None) -> int:
         ap.error("--placement is required (one or more placement names of the config)")
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
+    if args.decode_mlp_kernel:
+        from pallas_kernels import decode_mlp
+
+        dispatch.register("gated_mlp_residual", "gpu", decode_mlp.gated_mlp_residual)
     if args.xla_decode_projections:
-        for name in ("norm_projections", "norm_gated_mlp", "matmul_add"):
+        for name in ("norm_projections", "norm_gated_mlp", "matmul_add", "gated_mlp_residual"):
             dispatch.unregister(name)
     args.tensor_parallel = [None if tp == "none" else int(tp) for tp in args.tensor_parallel]
 

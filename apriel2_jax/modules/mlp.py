@@ -27,11 +27,18 @@ class MLP(nnx.Module):
         return self.down_proj(activation(self.activation, self.up_proj(x)))
 
     def decode_residual(self, x: jax.Array, norm) -> jax.Array | None:
-        """``x + mlp(norm(x))`` for one-token rows [S, 1, D] with the norm and gate/up projections in one kernel
-        and the down projection added to ``x`` in another; None where that kernel cannot run (no kernel on this
-        backend, a plain MLP, biases, a LayerNorm)."""
+        """``x + mlp(norm(x))`` for one-token rows [S, 1, D]: the whole MLP as one kernel where the backend has
+        ``gated_mlp_residual``, else the norm and gate/up projections in one kernel and the down projection added
+        to ``x`` in another; None where no kernel can run (none on this backend, a plain MLP, biases, a
+        LayerNorm)."""
+        if self.gate_proj is None or not isinstance(norm, RMSNorm) or self.up_proj.bias is not None:
+            return None
+        whole = kernel("gated_mlp_residual")
+        if whole is not None and self.down_proj.bias is None and self.down_proj.reduce_axis is None:
+            return whole(x[:, 0], norm.weight[...], norm.eps, self.gate_proj.weight[...], self.up_proj.weight[...],
+                         self.down_proj.weight[...], self.activation)[:, None]
         fused = kernel("norm_gated_mlp")
-        if fused is None or self.gate_proj is None or not isinstance(norm, RMSNorm) or self.up_proj.bias is not None:
+        if fused is None:
             return None
         hidden = fused(
             x[:, 0], norm.weight[...], norm.eps, self.gate_proj.weight[...], self.up_proj.weight[...], self.activation

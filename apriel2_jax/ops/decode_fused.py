@@ -8,7 +8,8 @@ fuse, built from the same ops the modules use, so each kernel has an oracle with
 - ``norm_projections``: an RMSNorm and several projections of its output side by side (attention's Q/K/V, as
   the fused decode attention kernel takes them in one buffer);
 - ``norm_gated_mlp``: post-attention RMSNorm and the gated MLP's gate/up projections with the activation product;
-- ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down).
+- ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down);
+- ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``).
 
 Rows are sequences ([S, D], one token each). The modules use the fused forms only where a kernel is registered
 (``dispatch.kernel``); elsewhere they run the unfused chain, which these functions reproduce exactly.
@@ -47,3 +48,12 @@ def matmul_add(x: jax.Array, weight: jax.Array, residual: jax.Array) -> jax.Arra
     """x: [S, K]; weight: [N, K]; residual: [S, N]. ``residual + x @ weight.T``, the projection rounded to the
     dtype before the add (as ``Linear`` then ``+``)."""
     return residual + _project(x, weight)
+
+
+def gated_mlp_residual(
+    x: jax.Array, norm_weight: jax.Array, eps: float, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+    act: str,
+) -> jax.Array:
+    """x: [S, D]; w_gate, w_up: [I, D]; w_down: [D, I]. ``x + down(act(gate(rmsnorm(x))) * up(rmsnorm(x)))``: the
+    residual stream after the block's MLP."""
+    return matmul_add(norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act), w_down, x)

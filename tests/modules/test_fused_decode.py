@@ -116,6 +116,24 @@ def test_engine_greedy_through_the_gemv_kernels_matches_goldens(monkeypatch):
     assert all(calls.values()), calls
 
 
+def test_engine_greedy_through_the_whole_mlp_op_matches_goldens(monkeypatch):
+    """With ``gated_mlp_residual`` registered (the jnp chain as this backend's kernel), every decode MLP takes the
+    whole-MLP path (its arguments: the block's norm, gate, up and down weights) and the greedy tokens are
+    unchanged."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return decode_fused.gated_mlp_residual(*args)
+
+    kernels = dict(dispatch._KERNELS)
+    kernels[("gated_mlp_residual", "cpu")] = counted
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    case, model, _ = golden_model("hybrid_all_mixers")
+    _assert_engine_greedy_matches("hybrid_all_mixers", case, model)
+    assert calls and all(len(shape) == 2 for shape in calls)
+
+
 def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):
     monkeypatch.setattr(dispatch, "_KERNELS", dict(dispatch._KERNELS))
     dispatch.register("rope_write_paged_attention", "cpu", decode_fused.matmul_add)  # any callable will do
