@@ -43,8 +43,9 @@ def register_all() -> None:
     dispatch.register("norm_gated_mlp", "gpu", decode_gemv.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered: side by side in the engine (0.5B,
-    # all-attention, H200, 2026-11-25) it took B=8 from 1.001-1.021 to 1.041-1.060 ms and B=32 from 1.261-1.319 to
-    # 1.246-1.248, within the processes' spread (``bench_generate.py --decode-mlp-kernel`` registers it).
+    # all-attention, H200, 2026-11-25, two processes each) it took B=8 from 1.001-1.021 to 1.041-1.060 ms (slower)
+    # and B=32 from 1.261-1.319 to 1.246-1.248 (1-5%, against a spread of up to ~10% between processes of one
+    # variant); ``bench_generate.py --decode-mlp-kernel`` registers it.
     # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
     for name, fn in (
         ("gated_delta_rule", sequence_forms.gated_delta_rule),

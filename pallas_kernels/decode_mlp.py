@@ -10,21 +10,29 @@ they do not depend on the gate/up result, so they stream while the gate/up CTAs 
 
 Design (one CTA per SM, two roles):
 
-- **gate/up CTAs** (one per 64 intermediate features): weights [64, 64] blocks of gate and up are the wgmma A
+- **gate/up CTAs** (one per 64 intermediate features): [64, 128] blocks of the gate and up weights are the wgmma A
   operand and the normalised rows the B operand (swap-AB: the rows, padded to 8, are the N dimension), so a few
   rows cost no padding to 64. The epilogue rounds gate and up to the dtype, applies the activation in fp32,
   rounds, multiplies (as the reference), transposes the [64, rows] tile through SMEM into rows-major ``y`` in
   HBM (L2) and counts itself done on a global counter.
-- **down CTAs** (the rest; each a [64 output features, I / splits] block of the down projection): their weights
-  are in SMEM by the time the counter reaches the gate/up CTAs' number; they then load their slice of ``y``, run
-  the wgmmas and write a float32 partial [64, rows]. The caller sums the ``splits`` partials and adds the residual
+- **down CTAs** (the rest; each a [64 output features, I / splits] block of the down projection): their first
+  ``down_depth`` weight blocks (all of them at up to 8 rows on the 0.5B geometry) load while the gate/up CTAs
+  work; once the counter reaches the gate/up CTAs' number they load their slice of ``y``, run the wgmmas and write
+  a float32 partial [64, rows]. The caller sums the ``splits`` partials and adds the residual
   (one small fusion, which XLA merges with the next layer's norm where it can).
 
 The schedule needs intermediate / 64 + hidden / 64 CTAs at least (0.5B: 76 + 14 x 4 splits = 132 = an H200's
-SMs); ``schedule`` returns None where the GPU has too few, and the dispatch entry then runs the other kernels.
+SMs); ``schedule`` returns None where the GPU has too few, and ``gated_mlp_residual`` then runs the dispatched
+``norm_gated_mlp`` and ``matmul_add``.
 
-Status: equal to the bf16 jnp chain on the GPU (1-32 rows, three geometries, silu and tanh-gelu), but not faster
-than what the engine runs, so it is not registered (``bench_generate.py --decode-mlp-kernel`` registers it).
+The gate/up CTAs have the lowest indices, so they are scheduled no later than the down CTAs that spin on their
+counter (every CTA is resident at once: one per SM). The product goes to HBM by TMA stores that complete before the
+release add, and comes back by TMA loads after the acquiring wait; Pallas exposes no ``fence.proxy.async`` for
+global memory, and repeated calls on the GPU gave identical results.
+
+Status: equal to the bf16 jnp chain on the GPU (1-32 rows, three geometries, silu and tanh-gelu;
+``tests/pallas_kernels/test_decode_mlp.py`` checks it where a GPU is present), but not clearly faster than what
+the engine runs, so it is not registered (``bench_generate.py --decode-mlp-kernel`` registers it).
 Measured on an H200, 2026-11-25 (8 layers of 0.5B weights chained; µs per layer, the norm and the partials' sum
 included): 19.8 against the GEMV kernels' 14.5 at one row, 20.1 against XLA's 17.8 at 8 rows, 20.2 against 21.9
 at 32. Its bytes stream in ~7 µs at the rates measured for these CTA counts; the rest is serial latency (the
@@ -43,18 +51,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from apriel2_jax import dispatch
 from apriel2_jax.ops.norms import rms_norm
-
-from . import decode_gemv
 
 F32 = jnp.float32
 TILE = 64  # wgmma's M: weight rows per tile
 BLOCK_K = 128  # input width of every weight load: [64, 128] bf16 blocks (16 KB), 256-byte rows. With 128-byte rows
 # ([64, 64] blocks) 76 CTAs streamed 17.4 MB at 2.8 TB/s against 3.7 (H200, 2026-11-25)
 MAX_ROWS = 32
-MIN_ROWS = 8  # the dispatch entry's lower limit: fewer rows take decode_gemv's kernels or XLA's fusions
+MIN_ROWS = 8  # fewer rows take the dispatched norm_gated_mlp and matmul_add (decode_gemv's kernels on the GPU)
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
-_SWIZZLE = 128  # a 64-element bf16 row: the TMA and wgmma swizzle of every [*, 64] bf16 block
+_SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of every bf16 SMEM block
 ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -72,6 +79,11 @@ class Schedule:
     gate_up_depth: int  # ring stages of (gate, up) block pairs
     down_depth: int  # ring stages of down blocks
 
+    def k_range(self, split: int):
+        """The [first, last) ``BLOCK_K`` blocks of the intermediate width that down split ``split`` reads
+        (balanced to within one block; works on Python ints and traced ones)."""
+        return split * self.k_blocks // self.splits, (split + 1) * self.k_blocks // self.splits
+
     @property
     def k_blocks(self) -> int:
         return self.intermediate // BLOCK_K
@@ -87,8 +99,8 @@ class Schedule:
 
 def schedule(rows: int, hidden: int, intermediate: int, sms: int) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of a [hidden -> intermediate -> hidden] MLP on ``sms`` SMs, or None
-    where it does not fit (widths not multiples of 64, more than ``MAX_ROWS`` rows, too few SMs for one CTA per
-    gate/up tile and per output tile, SMEM). Plain Python: the dispatch entry decides with it at trace time."""
+    where it does not fit (widths not multiples of 128, more than ``MAX_ROWS`` rows, too few SMs for one CTA per
+    gate/up tile and per output tile, SMEM). Plain Python: ``gated_mlp_residual`` decides with it at trace time."""
     if not 1 <= rows <= MAX_ROWS or hidden % BLOCK_K or intermediate % BLOCK_K:
         return None
     rows8 = -(-rows // 8) * 8
@@ -135,40 +147,40 @@ def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
     d_blocks = hidden // BLOCK_K
     gate_up_ctas, splits, k_blocks = plan.gate_up_ctas, plan.splits, plan.k_blocks
     down_ctas = plan.out_tiles * splits
-    depth_a, depth_b, max_blocks = plan.gate_up_depth, plan.down_depth, plan.max_down_blocks
-    out_swizzle = plgpu.find_swizzle(rows * 32)
-    out_tiles = (plgpu.TilingTransform((8, out_swizzle // 4)), plgpu.SwizzleTransform(out_swizzle))
+    gate_up_depth, down_depth, max_blocks = plan.gate_up_depth, plan.down_depth, plan.max_down_blocks
+    partial_swizzle = plgpu.find_swizzle(rows * 32)
+    partial_transforms = (plgpu.TilingTransform((8, partial_swizzle // 4)), plgpu.SwizzleTransform(partial_swizzle))
 
     def gate_up(p, h_gmem, wg_gmem, wu_gmem, y_gmem, counter, scratch):
         (h_smem, w_smem, y_smem), (h_ready, w_ready) = scratch
         row0 = p * TILE
 
         def issue(step):
-            slot = step % depth_a
+            slot = step % gate_up_depth
             cols = pl.ds(step * BLOCK_K, BLOCK_K)
             plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
             plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot],
-                                    w_ready.at[depth_a + slot])
+                                    w_ready.at[gate_up_depth + slot])
 
-        for step in range(depth_a):
+        for step in range(gate_up_depth):
             issue(step)
         for c in range(d_blocks):
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
 
         def accumulate(acc_g, acc_u):
             def step_fn(step, _):
-                slot = step % depth_a
+                slot = step % gate_up_depth
                 plgpu.barrier_wait(h_ready.at[step])
                 plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[depth_a + slot])
+                plgpu.barrier_wait(w_ready.at[gate_up_depth + slot])
                 rhs = h_smem.at[step].transpose((1, 0))
                 plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
                 plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
                 plgpu.wgmma_wait(2)  # this step's pair may still run; the previous step's slot is free
 
-                @pl.when((step > 0) & (step - 1 + depth_a < d_blocks))
+                @pl.when((step > 0) & (step - 1 + gate_up_depth < d_blocks))
                 def _():
-                    issue(step - 1 + depth_a)
+                    issue(step - 1 + gate_up_depth)
 
             lax.fori_loop(0, d_blocks, step_fn, None)
             plgpu.wgmma_wait(0)
@@ -189,16 +201,16 @@ def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
         (w_smem, y_smem, o_smem), (w_ready, y_ready) = scratch
         unit = p - gate_up_ctas
         out_tile, split = unit // splits, unit % splits
-        first = split * k_blocks // splits
-        blocks = (split + 1) * k_blocks // splits - first
+        first, last = plan.k_range(split)
+        blocks = last - first
 
         def issue(step):
-            slot = step % depth_b
+            slot = step % down_depth
             plgpu.copy_gmem_to_smem(
                 wd_gmem.at[pl.ds(out_tile * TILE, TILE), pl.ds((first + step) * BLOCK_K, BLOCK_K)],
                 w_smem.at[slot], w_ready.at[slot])
 
-        for step in range(depth_b):
+        for step in range(down_depth):
             pl.when(step < blocks)(functools.partial(issue, step))
         # every gate/up CTA has stored its tile of y (release add after its store completed)
         plgpu.semaphore_wait(counter.at[0], gate_up_ctas, decrement=False, memory_scope="gpu")
@@ -208,15 +220,15 @@ def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
 
         def accumulate(acc):
             def step_fn(step, _):
-                slot = step % depth_b
+                slot = step % down_depth
                 plgpu.barrier_wait(w_ready.at[slot])
                 plgpu.barrier_wait(y_ready.at[step])
                 plgpu.wgmma(acc, w_smem.at[slot], y_smem.at[step].transpose((1, 0)))
                 plgpu.wgmma_wait(1)
 
-                @pl.when((step > 0) & (step - 1 + depth_b < blocks))
+                @pl.when((step > 0) & (step - 1 + down_depth < blocks))
                 def _():
-                    issue(step - 1 + depth_b)
+                    issue(step - 1 + down_depth)
 
             lax.fori_loop(0, blocks, step_fn, None)
             plgpu.wgmma_wait(0)
@@ -243,19 +255,19 @@ def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
             pl.run_scoped(
                 lambda *s: gate_up(p, h_gmem, wg_gmem, wu_gmem, y_gmem, counter, s),
                 (plgpu.SMEM((d_blocks, rows, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((2, depth_a, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
+                 plgpu.SMEM((2, gate_up_depth, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
                  plgpu.SMEM((rows, TILE), dtype, transforms=_bf16_tiles())),
-                (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * depth_a)),
+                (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * gate_up_depth)),
             )
 
         @pl.when(p >= gate_up_ctas)
         def _():
             pl.run_scoped(
                 lambda *s: down(p, wd_gmem, y_gmem, part_gmem, counter, s),
-                (plgpu.SMEM((depth_b, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
+                (plgpu.SMEM((down_depth, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
                  plgpu.SMEM((max_blocks, rows, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((TILE, rows), F32, transforms=out_tiles)),
-                (plgpu.Barrier(num_barriers=depth_b), plgpu.Barrier(num_barriers=max_blocks)),
+                 plgpu.SMEM((TILE, rows), F32, transforms=partial_transforms)),
+                (plgpu.Barrier(num_barriers=down_depth), plgpu.Barrier(num_barriers=max_blocks)),
             )
 
     part, _ = plgpu.kernel(
@@ -267,7 +279,8 @@ def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down:
     return part
 
 
-def _reason(x, norm_weight, w_gate, w_up, w_down, act) -> str | None:
+def gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) -> str | None:
+    """Why the kernel cannot take these arguments (None where it can, given a schedule)."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x must be [rows, hidden] bf16 (got {x.shape} {x.dtype})"
     rows, hidden = x.shape
@@ -283,15 +296,16 @@ def _reason(x, norm_weight, w_gate, w_up, w_down, act) -> str | None:
 
 
 def gated_mlp_residual(x, norm_weight, eps, w_gate, w_up, w_down, act, *, sms: int | None = None):
-    """``reference.gated_mlp_residual`` (x + MLP(rmsnorm(x)), x [rows, hidden]) with the MLP as one kernel; the
-    norm before it and the partials' sum with the residual after it are XLA fusions."""
-    rows, hidden = x.shape
+    """``apriel2_jax.ops.decode_fused.gated_mlp_residual`` (x + MLP(rmsnorm(x)), x [rows, hidden]) with the MLP
+    as one kernel; the norm before it and the partials' sum with the residual after it are XLA fusions. ``sms``:
+    the GPU's SM count (default: the first device's). Shapes the kernel does not take, and fewer than
+    ``MIN_ROWS`` rows, run the dispatched ``norm_gated_mlp`` and ``matmul_add`` instead."""
     plan = None
-    if _reason(x, norm_weight, w_gate, w_up, w_down, act) is None:
-        plan = schedule(rows, hidden, w_gate.shape[0], sms or jax.devices()[0].core_count)
-    if plan is None or rows < MIN_ROWS:
-        hidden = decode_gemv.norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act)
-        return decode_gemv.matmul_add(hidden, w_down, x)
-    h = jnp.pad(rms_norm(x, norm_weight, eps), ((0, plan.rows - rows), (0, 0)))
+    if gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) is None and x.shape[0] >= MIN_ROWS:
+        plan = schedule(x.shape[0], x.shape[1], w_gate.shape[0], sms or jax.devices()[0].core_count)
+    if plan is None:
+        product = dispatch.op("norm_gated_mlp")(x, norm_weight, eps, w_gate, w_up, act)
+        return dispatch.op("matmul_add")(product, w_down, x)
+    h = jnp.pad(rms_norm(x, norm_weight, eps), ((0, plan.rows - x.shape[0]), (0, 0)))
     part = gated_mlp_partials(h, w_gate, w_up, w_down, act, plan)
-    return x + jnp.sum(part, axis=0)[:, :rows].T.astype(x.dtype)
+    return x + jnp.sum(part, axis=0)[:, : x.shape[0]].T.astype(x.dtype)

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                     "baseline")
     ap.add_argument("--decode-mlp-kernel", action="store_true",
                     help="decode MLPs of 8-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
-                    "registered by default) instead of XLA's GEMMs")
+                    "registered by default) instead of XLA's GEMMs; tensor-parallel rows keep the other path")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--sampler", action="store_true",
@@ -150,12 +150,14 @@ def main(argv=None) -> int:
         ap.error("--placement is required (one or more placement names of the config)")
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
+    if args.decode_mlp_kernel and args.xla_decode_projections:
+        ap.error("--decode-mlp-kernel and --xla-decode-projections exclude each other (the latter is the XLA baseline)")
     if args.decode_mlp_kernel:
         from pallas_kernels import decode_mlp
 
         dispatch.register("gated_mlp_residual", "gpu", decode_mlp.gated_mlp_residual)
     if args.xla_decode_projections:
-        for name in ("norm_projections", "norm_gated_mlp", "matmul_add", "gated_mlp_residual"):
+        for name in ("norm_projections", "norm_gated_mlp", "matmul_add"):
             dispatch.unregister(name)
     args.tensor_parallel = [None if tp == "none" else int(tp) for tp in args.tensor_parallel]
 

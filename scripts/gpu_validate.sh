@@ -11,6 +11,10 @@ export APRIEL2_GOLDENS=${APRIEL2_GOLDENS:-.goldens} JAX_DEFAULT_MATMUL_PRECISION
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.04 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import pallas_kernels, jax; print('kernels registered on', jax.devices()[0].device_kind)"
 pids=()
+# kernels the engine does not register by default, checked against their jnp oracles
+timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
+  > "$out/test_decode_mlp.log" 2>&1 &
+pids+=($!)
 for case in "$APRIEL2_GOLDENS"/*/; do
   name=$(basename "$case")
   timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py -k "$name" \
@@ -24,7 +28,7 @@ for case in "$APRIEL2_GOLDENS"/*/; do
 done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
-for log in "$out"/test_llm_*.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
+for log in "$out"/test_llm_*.log "$out"/test_decode_mlp.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
 for log in "$out"/parity_*.log; do
   echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
 done

@@ -34,6 +34,7 @@ class MLP(nnx.Module):
         if self.gate_proj is None or not isinstance(norm, RMSNorm) or self.up_proj.bias is not None:
             return None
         whole = kernel("gated_mlp_residual")
+        # a tensor-parallel down projection sums over devices (psum), which the whole-MLP kernel does not do
         if whole is not None and self.down_proj.bias is None and self.down_proj.reduce_axis is None:
             return whole(x[:, 0], norm.weight[...], norm.eps, self.gate_proj.weight[...], self.up_proj.weight[...],
                          self.down_proj.weight[...], self.activation)[:, None]

@@ -1,8 +1,9 @@
-"""Decode-step chains that the GPU runs as single kernels (``pallas_kernels/decode_gemv.py``).
+"""Decode-step chains that the GPU runs as single kernels (``pallas_kernels/decode_gemv.py``; the whole MLP in
+``pallas_kernels/decode_mlp.py``, not registered by default).
 
 A decode step reads each weight once for a handful of rows, so its time is the kernels' launches and tails as much
 as their bytes: an attention layer ran 13 kernels at one row (two norms of two kernels each, separate Q/K/V
-projections, the activation product, ...). These functions are the jnp statement of three chains the kernels
+projections, the activation product, ...). These functions are the jnp statement of the chains the kernels
 fuse, built from the same ops the modules use, so each kernel has an oracle with the modules' exact math:
 
 - ``norm_projections``: an RMSNorm and several projections of its output side by side (attention's Q/K/V, as

@@ -117,9 +117,35 @@ def test_engine_greedy_through_the_gemv_kernels_matches_goldens(monkeypatch):
 
 
 def test_engine_greedy_through_the_whole_mlp_op_matches_goldens(monkeypatch):
-    """With ``gated_mlp_residual`` registered (the jnp chain as this backend's kernel), every decode MLP takes the
-    whole-MLP path (its arguments: the block's norm, gate, up and down weights) and the greedy tokens are
-    unchanged."""
+    """With ``gated_mlp_residual`` registered (the jnp chain as this backend's kernel) beside the two-kernel chain,
+    decode MLPs take the whole-MLP op (with the block's norm, gate, up and down weights: the greedy tokens are
+    unchanged) and never the two-kernel chain."""
+    calls = {"gated_mlp_residual": 0, "norm_gated_mlp": 0}
+
+    def counted(name):
+        def fn(*args):
+            calls[name] += 1
+            return getattr(decode_fused, name)(*args)
+        return fn
+
+    kernels = dict(dispatch._KERNELS)
+    kernels.update({(name, "cpu"): counted(name) for name in calls})
+    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    case, model, _ = golden_model("hybrid_all_mixers")
+    _assert_engine_greedy_matches("hybrid_all_mixers", case, model)
+    assert calls["gated_mlp_residual"] > 0 and calls["norm_gated_mlp"] == 0, calls
+
+
+def test_tensor_parallel_down_projection_keeps_the_psum_path(monkeypatch):
+    """A down projection that sums over devices (``reduce_axis``) must not take the whole-MLP op, which has no
+    psum: with the op registered and no two-kernel chain, the module declines the fused path."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from apriel2_jax.config import MLPConfig
+    from apriel2_jax.modules.layers import RMSNorm
+    from apriel2_jax.modules.mlp import MLP
+
     calls = []
 
     def counted(*args):
@@ -129,9 +155,13 @@ def test_engine_greedy_through_the_whole_mlp_op_matches_goldens(monkeypatch):
     kernels = dict(dispatch._KERNELS)
     kernels[("gated_mlp_residual", "cpu")] = counted
     monkeypatch.setattr(dispatch, "_KERNELS", kernels)
-    case, model, _ = golden_model("hybrid_all_mixers")
-    _assert_engine_greedy_matches("hybrid_all_mixers", case, model)
-    assert calls and all(len(shape) == 2 for shape in calls)
+    cfg = MLPConfig(intermediate_size=32, activation="silu", gated=True, up_bias=False, down_bias=False)
+    mlp = MLP(cfg, 16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    norm = RMSNorm(16, 1e-5, dtype=jnp.float32)
+    x = jnp.ones((2, 1, 16), jnp.float32)
+    assert mlp.decode_residual(x, norm) is not None and len(calls) == 1  # the single-device module takes the op
+    mlp.down_proj.reduce_axis = "tp"
+    assert mlp.decode_residual(x, norm) is None and len(calls) == 1
 
 
 def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):

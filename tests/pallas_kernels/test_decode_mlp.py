@@ -1,7 +1,7 @@
-"""The persistent decode MLP kernel (``pallas_kernels/decode_mlp``): its schedule (plain Python) and its lowering
-for CUDA. Mosaic GPU kernels with grid-wide semaphores have no CPU interpreter, so the numerics are checked on the
-GPU (equal to the bf16 jnp chain for 1-32 rows, three geometries, silu and tanh-gelu; see the module docstring);
-the engine's wiring of the whole-MLP op is checked in ``tests/modules/test_fused_decode.py``."""
+"""The persistent decode MLP kernel (``pallas_kernels/decode_mlp``): its schedule (plain Python), its lowering for
+CUDA, and the entry around it (norm, padding, the partials' sum, the fallback) with the kernel's partials computed
+by jnp. Mosaic GPU kernels with grid-wide semaphores have no CPU interpreter: the kernel's own numerics are checked
+where a GPU is present. The engine's wiring of the whole-MLP op is checked in ``tests/modules/test_fused_decode.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from apriel2_jax.ops import decode_fused
+from apriel2_jax.ops.norms import activation
 from pallas_kernels import decode_mlp
+
+F32 = jnp.float32
+
+
+def _mlp_weights(hidden, inter, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    bf = jnp.bfloat16
+    norm = (1 + 0.1 * jax.random.normal(k[0], (hidden,))).astype(bf)
+    gate, up = [(0.03 * jax.random.normal(kk, (inter, hidden))).astype(bf) for kk in k[1:3]]
+    down = (0.03 * jax.random.normal(k[3], (hidden, inter))).astype(bf)
+    return norm, gate, up, down
 
 
 def test_schedule_fills_an_h200_at_the_05b_geometry():
@@ -20,8 +33,9 @@ def test_schedule_fills_an_h200_at_the_05b_geometry():
     assert (plan.gate_up_ctas, plan.out_tiles, plan.splits) == (76, 14, 4)
     assert plan.programs == 132
     # every split gets a K range, and they cover the intermediate width
-    ranges = [(s * plan.k_blocks // plan.splits, (s + 1) * plan.k_blocks // plan.splits) for s in range(plan.splits)]
+    ranges = [plan.k_range(split) for split in range(plan.splits)]
     assert ranges[0][0] == 0 and ranges[-1][1] == plan.k_blocks
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:]))
     assert all(lo < hi <= lo + plan.max_down_blocks for lo, hi in ranges)
 
 
@@ -41,9 +55,14 @@ def test_schedule_stays_within_shared_memory(rows):
     (1, 5120, 14336, 132, "15B: 224 gate/up tiles on 132 SMs"),
     (1, 896, 4864, 80, "too few SMs for a CTA per tile"),
     (1, 960, 4864, 132, "hidden width not a multiple of 128"),
+    (32, 3072, 4096, 132, "32 rows of a 3072-wide input leave no SMEM for a gate/up stage"),
 ])
 def test_schedule_declines_what_it_cannot_run(rows, hidden, inter, sms, why):
     assert decode_mlp.schedule(rows, hidden, inter, sms) is None, why
+
+
+def test_schedule_takes_the_same_geometry_at_fewer_rows():
+    assert decode_mlp.schedule(8, 3072, 4096, 132) is not None  # the SMEM case above, at 8 rows
 
 
 @pytest.mark.parametrize("rows, hidden, inter", [(1, 896, 4864), (32, 896, 4864), (5, 256, 512)])
@@ -53,10 +72,61 @@ def test_cross_lowers_for_cuda(rows, hidden, inter):
     args = [jax.ShapeDtypeStruct(s, bf) for s in ((plan.rows, hidden), (inter, hidden), (inter, hidden),
                                                   (hidden, inter))]
     fn = jax.jit(functools.partial(decode_mlp.gated_mlp_partials, act="silu", plan=plan))
+    # lowering runs Mosaic GPU's layout and transform checks (wgmma operands, swizzles, transposed stores)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    out = jax.eval_shape(fn, *args)
-    assert out.shape == (plan.splits, hidden, plan.rows) and out.dtype == jnp.float32
+
+
+def _partials_in_jnp(h, w_gate, w_up, w_down, act, plan):
+    """What the kernel computes, in jnp: the down projection's split partials [splits, hidden, rows8], float32."""
+    gate = (h @ w_gate.T).astype(h.dtype)
+    product = activation(act, gate) * (h @ w_up.T).astype(h.dtype)
+    parts = []
+    for split in range(plan.splits):
+        lo, hi = (b * decode_mlp.BLOCK_K for b in plan.k_range(split))
+        parts.append((product[:, lo:hi].astype(F32) @ w_down[:, lo:hi].T.astype(F32)).T)
+    return jnp.stack(parts)
+
+
+@pytest.mark.parametrize("rows", [8, 13, 32])
+def test_entry_pads_sums_and_adds_the_residual(rows, monkeypatch):
+    monkeypatch.setattr(decode_mlp, "gated_mlp_partials", _partials_in_jnp)
+    norm, gate, up, down = _mlp_weights(256, 512)
+    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 256)).astype(jnp.bfloat16)
+    got = decode_mlp.gated_mlp_residual(x, norm, 1e-5, gate, up, down, "silu", sms=132)
+    want = decode_fused.gated_mlp_residual(x, norm, 1e-5, gate, up, down, "silu")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # equal up to the split sums' order: at most one bf16 rounding step apart
+    diff = jnp.abs(got.astype(F32) - want.astype(F32))
+    assert float(jnp.max(diff)) <= 2 ** -7 * float(jnp.max(jnp.abs(want.astype(F32))))
+
+
+def test_entry_falls_back_below_its_rows_and_outside_its_shapes(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel must not run here")
+
+    monkeypatch.setattr(decode_mlp, "gated_mlp_partials", no_kernel)
+    norm, gate, up, down = _mlp_weights(256, 512)
+    for rows, n in ((decode_mlp.MIN_ROWS - 1, 256), (13, 256)):
+        x = jax.random.normal(jax.random.PRNGKey(rows), (rows, n)).astype(jnp.bfloat16)
+        sms = 132 if rows < decode_mlp.MIN_ROWS else 4  # too few SMs for a schedule
+        got = decode_mlp.gated_mlp_residual(x, norm, 1e-5, gate, up, down, "silu", sms=sms)
+        want = decode_fused.gated_mlp_residual(x, norm, 1e-5, gate, up, down, "silu")
+        assert jnp.array_equal(got, want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels run only on a GPU")
+@pytest.mark.parametrize("rows", [8, 13, 32])
+def test_kernel_matches_the_chain_on_the_gpu(rows):
+    norm, gate, up, down = _mlp_weights(896, 4864)
+    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 896)).astype(jnp.bfloat16)
+    fn = jax.jit(functools.partial(decode_mlp.gated_mlp_residual, eps=1e-5, act="silu"))
+    want = decode_fused.gated_mlp_residual(x, norm, 1e-5, gate, up, down, "silu")
+    outs = [fn(x, norm, w_gate=gate, w_up=up, w_down=down) for _ in range(3)]  # the counter resets between calls
+    for got in outs:  # one rounding of the down projection and one of the residual add apart at most
+        assert float(jnp.max(jnp.abs(got.astype(F32) - want.astype(F32)))) <= 2 ** -6 * float(
+            jnp.max(jnp.abs(want.astype(F32))))
+    assert all(jnp.array_equal(outs[0], got) for got in outs[1:])
 
 
 def test_unknown_activation_is_refused():
