@@ -45,8 +45,7 @@ def register_all() -> None:
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered: side by side in the engine (0.5B,
     # all-attention, H200, 2026-11-25, two processes each) it took B=8 from 1.001-1.021 to 1.041-1.060 ms (slower)
     # and B=32 from 1.261-1.319 to 1.246-1.248 (1-5%, against a spread of up to ~10% between processes of one
-    # variant), while its 24 call sites added 9-24 s to the engine's start-up (warm compilation cache: 10.7 s
-    # against 1.6). ``bench_generate.py --decode-mlp-kernel`` registers it.
+    # variant), while it added 9-24 s to the engine's start-up (warm compilation cache: 10.7 s against 1.6). ``bench_generate.py --decode-mlp-kernel`` registers it.
     # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
     for name, fn in (
         ("gated_delta_rule", sequence_forms.gated_delta_rule),
