@@ -4,15 +4,20 @@ every golden case's greedy tokens, for every placement."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from apriel2_jax import dispatch
+from apriel2_jax.config import MLPConfig
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.step import Buckets
 from apriel2_jax.modules.attention import Attention
+from apriel2_jax.modules.layers import RMSNorm
 from apriel2_jax.modules.mixers import active
+from apriel2_jax.modules.mlp import MLP
 from apriel2_jax.ops import decode_fused
 from apriel2_jax.placement import resolve_placement
 from tests.conftest import golden_cases
@@ -21,10 +26,9 @@ from tests.helpers import golden_model
 FUSED = ("norm_projections", "norm_gated_mlp", "matmul_add")
 
 
-@pytest.fixture
-def fused_chains_as_kernels(monkeypatch):
-    """Register the jnp chains as CPU kernels for the test; count the calls that trace them."""
-    calls = dict.fromkeys(FUSED, 0)
+def _chains_as_kernels(monkeypatch, names) -> dict[str, int]:
+    """Register the jnp chains ``names`` as CPU kernels for the test; count the calls that trace them."""
+    calls = dict.fromkeys(names, 0)
 
     def counted(name):
         def fn(*args):
@@ -33,9 +37,14 @@ def fused_chains_as_kernels(monkeypatch):
         return fn
 
     kernels = dict(dispatch._KERNELS)
-    kernels.update({(name, "cpu"): counted(name) for name in FUSED})
+    kernels.update({(name, "cpu"): counted(name) for name in names})
     monkeypatch.setattr(dispatch, "_KERNELS", kernels)
     return calls
+
+
+@pytest.fixture
+def fused_chains_as_kernels(monkeypatch):
+    return _chains_as_kernels(monkeypatch, FUSED)
 
 
 def _assert_engine_greedy_matches(case_name, case, model):
@@ -120,17 +129,7 @@ def test_engine_greedy_through_the_whole_mlp_op_matches_goldens(monkeypatch):
     """With ``gated_mlp_residual`` registered (the jnp chain as this backend's kernel) beside the two-kernel chain,
     decode MLPs take the whole-MLP op (with the block's norm, gate, up and down weights: the greedy tokens are
     unchanged) and never the two-kernel chain."""
-    calls = {"gated_mlp_residual": 0, "norm_gated_mlp": 0}
-
-    def counted(name):
-        def fn(*args):
-            calls[name] += 1
-            return getattr(decode_fused, name)(*args)
-        return fn
-
-    kernels = dict(dispatch._KERNELS)
-    kernels.update({(name, "cpu"): counted(name) for name in calls})
-    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    calls = _chains_as_kernels(monkeypatch, ("gated_mlp_residual", "norm_gated_mlp"))
     case, model, _ = golden_model("hybrid_all_mixers")
     _assert_engine_greedy_matches("hybrid_all_mixers", case, model)
     assert calls["gated_mlp_residual"] > 0 and calls["norm_gated_mlp"] == 0, calls
@@ -139,29 +138,15 @@ def test_engine_greedy_through_the_whole_mlp_op_matches_goldens(monkeypatch):
 def test_tensor_parallel_down_projection_keeps_the_psum_path(monkeypatch):
     """A down projection that sums over devices (``reduce_axis``) must not take the whole-MLP op, which has no
     psum: with the op registered and no two-kernel chain, the module declines the fused path."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from apriel2_jax.config import MLPConfig
-    from apriel2_jax.modules.layers import RMSNorm
-    from apriel2_jax.modules.mlp import MLP
-
-    calls = []
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return decode_fused.gated_mlp_residual(*args)
-
-    kernels = dict(dispatch._KERNELS)
-    kernels[("gated_mlp_residual", "cpu")] = counted
-    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
+    calls = _chains_as_kernels(monkeypatch, ("gated_mlp_residual",))
     cfg = MLPConfig(intermediate_size=32, activation="silu", gated=True, up_bias=False, down_bias=False)
     mlp = MLP(cfg, 16, dtype=jnp.float32, rngs=nnx.Rngs(0))
     norm = RMSNorm(16, 1e-5, dtype=jnp.float32)
     x = jnp.ones((2, 1, 16), jnp.float32)
-    assert mlp.decode_residual(x, norm) is not None and len(calls) == 1  # the single-device module takes the op
+    assert mlp.decode_residual(x, norm) is not None  # the single-device module takes the op
+    assert calls["gated_mlp_residual"] == 1
     mlp.down_proj.reduce_axis = "tp"
-    assert mlp.decode_residual(x, norm) is None and len(calls) == 1
+    assert mlp.decode_residual(x, norm) is None and calls["gated_mlp_residual"] == 1
 
 
 def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):
