@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="prefill token budget (default: max chunk)")
     ap.add_argument("--max-prefill-rows", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--no-chain-decode", dest="chain_decode", action="store_false",
+                    help="read every decode dispatch before queueing the next (the engine's chaining off)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="decode tokens per dispatch (default: the engine's)")
     ap.add_argument("--defaults", action="store_true",
@@ -224,6 +226,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     )
     if args.decode_steps:
         engine["decode_steps"] = args.decode_steps
+    engine["chain_decode"] = args.chain_decode
     t0 = time.monotonic()
     llm = LLM(
         model=model,
@@ -307,6 +310,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             "roofline_ratio": round(roofline_s / step_s, 4),
             "hbm_GBps": round(bandwidth / 1e9, 1),
             "decode_steps": llm.decode_steps,
+            "chained": f"{stats.chained_dispatches}/{stats.decode_dispatches}",
             "start_up_s": round(start_up, 1),
             "first_prefill_s": round(first_run, 1),
             "compilations": llm.runner.compilations,

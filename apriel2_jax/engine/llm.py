@@ -7,6 +7,11 @@
 One engine loop: the scheduler picks a step, the host builds its inputs once, the jitted step runs and samples,
 and the host appends tokens and checks stop conditions. Device caches are allocated once per placement from a
 memory budget and donated to every step.
+
+While a decode batch is unchanged (no request waiting for a free slot, every row running whole dispatches with
+stop conditions the device checks exactly), the next decode dispatch is *chained*: queued before the host reads
+the current one, taking each row's last token from it on the device. The host then reads and appends a
+dispatch's tokens while the device runs the next, and the device never waits for the host between them.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from .kv_connector import ConnectorStats, Entry, EntryStore, KVConnector, LoadRe
 from .kv_connector import transfer
 from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
-from .scheduler import Request, Scheduler, SchedulerConfig
-from .step import Buckets, StepRunner, build_inputs, stop_check_group, unpack_outputs
+from .scheduler import Request, RequestStatus, ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
+from .step import DEVICE_STOP_IDS, Buckets, StepRunner, build_inputs, stop_check_group, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -65,9 +70,21 @@ class StreamEvent:
 
 
 @dataclasses.dataclass
+class _Dispatch:
+    """A step queued on the device, until the host reads its results."""
+
+    step: ScheduledStep
+    shape: tuple[int, int]  # its bucket
+    packed: jax.Array  # its outputs (``step.unpack_outputs``)
+    launched: float  # time.monotonic() when it was queued
+    whole: bool  # decode, every row's budget the whole dispatch (run without stop checks)
+
+
+@dataclasses.dataclass
 class EngineStats:
     steps: int = 0  # dispatches
     decode_dispatches: int = 0
+    chained_dispatches: int = 0  # decode dispatches queued before the host read the one before (``chain_decode``)
     decode_steps: int = 0  # device iterations of decode dispatches (one token per running row each)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -104,6 +121,7 @@ class LLM:
         max_prefill_rows: int | None = None,
         page_size: int = DEFAULTS.page_size,
         decode_steps: int = DEFAULTS.decode_steps,
+        chain_decode: bool = DEFAULTS.chain_decode,
         cache_memory_fraction: float = DEFAULTS.cache_memory_fraction,
         cache_bytes: int | None = None,
         num_state_slots: int | None = None,
@@ -124,7 +142,8 @@ class LLM:
         """``max_chunk`` (longest prefill piece of one prompt per step) defaults to the token budget and
         ``max_prefill_rows`` to ``max_num_seqs``. ``decode_steps``: tokens a decode dispatch may generate per
         sequence (a device loop with on-device stop checks; shorter while requests wait to be prefilled, see
-        ``Scheduler.decode_cap``). ``warm_up``: which step shapes to compile before
+        ``Scheduler.decode_cap``). ``chain_decode``: queue the next decode dispatch before reading the current
+        one while the batch is unchanged (module docstring). ``warm_up``: which step shapes to compile before
         serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the others compile
         when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
         per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
@@ -199,6 +218,9 @@ class LLM:
         self.debug_checks = debug_checks
         self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk, max_num_batched_tokens)
         self.decode_steps = decode_steps
+        self.chain_decode = bool(chain_decode)
+        self._in_flight: _Dispatch | None = None  # a chained decode dispatch the host has not read yet
+        self._last_read = 0.0  # when the host last finished reading a dispatch's results
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows, decode_steps, self.max_model_len,
             # Buckets built for the token budget keep padded steps within it; given buckets are taken as they are.
@@ -266,6 +288,7 @@ class LLM:
             return
         if self._cache is not None and self.scheduler.has_work:
             raise RuntimeError("cannot switch placement while requests are in flight")
+        self._drop_in_flight()
         self._cache = None  # free the old arrays before allocating the new ones
         dtype_bytes = np.dtype(self.model.dtype).itemsize
         # Per device: a tensor-parallel device holds its heads' share of every page and state slot.
@@ -405,6 +428,7 @@ class LLM:
         finally:
             for request in requests:
                 self.scheduler.abort(request.request_id)
+            self._drop_in_flight()
 
     # Incremental API (a server's engine loop): add requests at any time, run one step at a time.
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
@@ -422,6 +446,7 @@ class LLM:
     def step(self) -> list[StreamEvent]:
         """Run one engine step (nothing when idle); the events of the tokens it produced."""
         if not self.scheduler.has_work:
+            self._drop_in_flight()
             return []
         return list(self._step())
 
@@ -437,6 +462,10 @@ class LLM:
                 self._cache = self.runner.copy_state_rows(self._cache, self.layout.state.layers, pairs)
 
     def _step(self) -> Iterator[StreamEvent]:
+        if self._in_flight is not None:
+            dispatch, self._in_flight = self._in_flight, None
+            yield from self._finish(dispatch)
+            return
         if self.kv_connector is not None and self.scheduler.loading:
             self._finish_loads(self.kv_connector.poll())
         step = self.scheduler.schedule()
@@ -452,21 +481,44 @@ class LLM:
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
-        t0 = time.monotonic()
-        packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1)
+        # Every row's budget is the whole dispatch: no stop checks (the call returns once the dispatch is queued),
+        # and the next dispatch may chain onto it.
+        whole = decode and all(row.budget == self.decode_steps for row in step.rows)
+        launched = time.monotonic()
+        packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1,
+                                              stop_checks=not whole)
+        yield from self._finish(_Dispatch(step, shape, packed, launched, whole))
+
+    def _finish(self, dispatch: "_Dispatch") -> Iterator[StreamEvent]:
+        """Read a dispatch's results and hand out its tokens; first chain the next decode dispatch onto it when
+        nothing the results could say would change that dispatch."""
+        step = dispatch.step
+        decode = step.kind == "decode"
+        if dispatch.whole and self.chain_decode:
+            self._in_flight = self._chain(dispatch)
         if self.prefix_cache is not None:
             # Host work for the next admissions while the device runs this step. It sits inside the step timer,
             # which it lengthens only where hashing outlasts the step (each request is hashed once).
             self.prefix_cache.hash_ahead(itertools.islice(self.scheduler.waiting, QUEUE_LOOKAHEAD))
-        outputs = unpack_outputs(packed)
+        outputs = unpack_outputs(dispatch.packed)
+        now = time.monotonic()
+        # A chained dispatch starts on the device when the one before it ends, which is about when its results
+        # were read: device time per dispatch, not counting time the device spent on the previous one.
+        elapsed = now - max(dispatch.launched, self._last_read)
+        self._last_read = now
         tokens, logprobs = outputs.tokens, outputs.logprobs
-        elapsed = time.monotonic() - t0
+        # A chained dispatch's rows whose requests ended while it was queued (a stop in the dispatch before, or an
+        # abort) ran as padding or wrote past their end: their results are dropped.
+        live = [(i, row) for i, row in enumerate(step.rows) if row.request.status is RequestStatus.RUNNING]
+        if len(live) < len(step.rows):
+            step = dataclasses.replace(step, rows=tuple(row for _, row in live))
         # Tokens each decode row generated before the device stopped it (its budget or one of its stop ids).
-        fed = {row.request: int(outputs.counts[i]) for i, row in enumerate(step.rows)} if decode else {}
+        fed = {row.request: int(outputs.counts[i]) for i, row in live} if decode else {}
         self.stats.steps += 1
         if decode:
             self.stats.decode_dispatches += 1
-            self.stats.decode_steps += outputs.steps
+            # Without stop checks the device runs every iteration even after all rows have stopped.
+            self.stats.decode_steps += self.decode_steps if dispatch.whole else outputs.steps
             self.stats.decode_tokens += sum(fed.values())
             self.stats.decode_seconds += elapsed
         else:
@@ -478,12 +530,65 @@ class LLM:
         if self.kv_connector is not None and not decode:
             self._save_prefill(step)
         now = time.monotonic()
-        for i, row in enumerate(step.rows):
+        for i, row in live:
             if row.samples:
                 count = fed.get(row.request, 1)
                 yield from self._append(row.request, tokens[:count, i].tolist(), logprobs[:count, i].tolist(), now)
         if self.debug_checks:
             self.scheduler.check_invariants()
+
+    def _device_stops_exactly(self, request: Request) -> bool:
+        """Whether the device loop stops ``request`` exactly where the host's stop check does: no stop strings,
+        and all its stop ids fit the device's list (its token limits are the rows' budgets)."""
+        params = request.params
+        ids = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.config.eos_token_ids))
+        return not params.stop and ids <= DEVICE_STOP_IDS
+
+    def _chain(self, dispatch: "_Dispatch") -> "_Dispatch | None":
+        """Queue the decode dispatch that follows ``dispatch`` before its results are read, or return None.
+
+        It is the step the scheduler would give the same rows once ``dispatch`` ran its whole budget (those it
+        stops at a stop id run as padding, from the carry on the device), so it is chained only when nothing in
+        ``dispatch``'s results could change the next schedule but such a stop: every running request is one of
+        its rows, none is loading, a waiting request could not be admitted anyway (every slot is taken), each
+        row's stop conditions are checked on the device exactly, each row has room for another whole dispatch,
+        and its pages are free now (nothing is preempted for a chained dispatch)."""
+        rows = dispatch.step.rows
+        scheduler, steps = self.scheduler, self.decode_steps
+        if scheduler.loading or len(scheduler.running) != len(rows):
+            return None
+        if scheduler.waiting and scheduler.num_admitted < self.scheduler_config.max_num_seqs:
+            return None  # a waiting request could be admitted as soon as one of these rows finishes
+        for row in rows:
+            request = row.request
+            if request.status is not RequestStatus.RUNNING or not self._device_stops_exactly(request):
+                return None
+            room = min(request.params.max_new_tokens - len(request.output_ids),
+                       self.max_model_len - request.num_tokens) - row.budget
+            if room < steps:
+                return None
+        for row in rows:
+            # From the dispatch's own start: pages a sliding window leaves behind are released only after its
+            # pages are published, as the scheduler does.
+            if not self.cache_manager.try_allocate(row.request.request_id, row.start, row.budget + steps):
+                return None
+        step = ScheduledStep("decode", tuple(ScheduledRow(row.request, row.start + row.budget, 1, True, steps)
+                                             for row in rows), ())
+        inputs = build_inputs(step, dispatch.shape, self.cache_manager, [steps] * len(rows),
+                              self.config.eos_token_ids, in_flight=[row.budget for row in rows])
+        launched = time.monotonic()
+        packed, self._cache = self.runner.run(self._cache, inputs, self.placement, steps, previous=dispatch.packed,
+                                              stop_checks=False)
+        self.stats.chained_dispatches += 1
+        return _Dispatch(step, dispatch.shape, packed, launched, whole=True)
+
+    def _drop_in_flight(self) -> None:
+        """Forget a chained dispatch whose requests all ended before it was read (waiting for it, so its device
+        time does not count in what runs next)."""
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight.packed)
+            self._in_flight = None
+            self._last_read = time.monotonic()
 
     # ------------------------------------------------------------------------------------------------------------
     def _finish_loads(self, results: list[LoadResult]) -> None:

@@ -10,6 +10,12 @@ sampled token back, stops a row at one of its stop ids or at its token budget, a
 stopped (checked every ``STEPS_PER_STOP_CHECK`` iterations). A stopped row is turned into padding (sink slot,
 sink pages), so later iterations never touch its state. Padding rows and tokens touch only the sink page and sink
 slot, so a bucket larger than the live requests (or the state slots) never indexes out of bounds.
+
+A decode dispatch can be *chained* onto the previous one before the host has read it: its rows are the previous
+dispatch's rows, each row's token is the last one that dispatch sampled and a row it stopped stays stopped, both
+read on the device from the previous dispatch's outputs (``previous``). A dispatch without stop checks (every row
+runs the whole loop unless it stops) returns as soon as it is queued, so the host can queue the next dispatch and
+then read this one while the device runs them back to back.
 """
 
 from __future__ import annotations
@@ -114,7 +120,8 @@ class StepLayout:
     tokens: int  # tokens per row
     table_widths: tuple[tuple[str, int], ...]  # (family, block-table columns), in a fixed order
 
-    SCALARS = ("start", "length", "slot", "fresh", "top_k", "seed_hi", "seed_lo", "counter", "budget")
+    # chained: the row's token and whether it stopped come from the previous dispatch's outputs (``previous``)
+    SCALARS = ("start", "length", "slot", "fresh", "top_k", "seed_hi", "seed_lo", "counter", "budget", "chained")
 
     @property
     def columns(self) -> dict[str, slice]:
@@ -157,8 +164,11 @@ def build_inputs(
     cache: CacheManager,
     budgets: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
+    in_flight: Sequence[int] | None = None,
 ) -> StepInputs:
-    """``budgets``: per row, the most tokens a decode step may generate for it (pages are allocated for them)."""
+    """``budgets``: per row, the most tokens a decode step may generate for it (pages are allocated for them).
+    ``in_flight``: a decode step chained onto a dispatch the host has not read yet; per row, the tokens that
+    dispatch generates for it (its budget there). The row's token then comes from that dispatch on the device."""
     rows, width = shape
     tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows)
     layout = StepLayout(width, tuple((f, t.shape[1]) for f, t in tables.tables.items()))
@@ -173,7 +183,9 @@ def build_inputs(
     for i, row in enumerate(step.rows):
         request = row.request
         end, prompt = row.start + row.length, len(request.prompt_ids)
-        if end <= prompt:
+        if in_flight is not None:
+            ints[i, col["chained"].start] = 1
+        elif end <= prompt:
             ints[i, first_token : first_token + row.length] = request.prompt_ids[row.start : end]
         else:
             ints[i, first_token : first_token + row.length] = [request.token(p) for p in range(row.start, end)]
@@ -183,7 +195,7 @@ def build_inputs(
         ints[i, col["length"].start] = row.length
         ints[i, col["fresh"].start] = row.start == 0
         ints[i, col["top_k"].start] = min(params.top_k, np.iinfo(np.int32).max)  # larger means "no limit" anyway
-        ints[i, col["counter"].start] = len(request.output_ids)
+        ints[i, col["counter"].start] = len(request.output_ids) + (0 if in_flight is None else in_flight[i])
         ints[i, col["budget"].start] = 1 if budgets is None else budgets[i]
         stop = _device_stop_ids(request, eos_token_ids)
         ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
@@ -228,6 +240,9 @@ def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
+    """A dispatch's results as the host reads them. The packed device array also carries, per row, the last
+    token sampled and whether the row stopped, which a chained dispatch reads on the device."""
+
     tokens: np.ndarray  # [n, rows] int32: the token sampled at each iteration
     logprobs: np.ndarray  # [n, rows] float32
     counts: np.ndarray  # [rows] iterations each row ran before it stopped: its valid tokens are tokens[:count]
@@ -238,18 +253,25 @@ class StepOutputs:
         return int(self.counts.max(initial=1))
 
 
-def _pack_outputs(tokens: jax.Array, logprobs: jax.Array, counts: jax.Array) -> jax.Array:
-    """One int32 array [2n + 1, rows], so the host reads a step's results with a single transfer."""
+def _pack_outputs(tokens, logprobs, counts, last, stopped) -> jax.Array:
+    """One int32 array [2n + 3, rows], so the host reads a step's results with a single transfer: tokens,
+    log-probabilities, counts, then the chaining carry (each row's last token, whether it stopped)."""
     bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
-    return jnp.concatenate([tokens, bits, counts[None].astype(jnp.int32)])
+    carry = jnp.stack([last, stopped]).astype(jnp.int32)
+    return jnp.concatenate([tokens, bits, counts[None].astype(jnp.int32), carry])
+
+
+def _carry_of(previous: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(last token, stopped) per row from a previous dispatch's packed outputs."""
+    return previous[-2], previous[-1] != 0
 
 
 def unpack_outputs(packed) -> StepOutputs:
     if isinstance(packed, jax.Array) and not packed.is_fully_addressable:  # replicated over a multi-host mesh
         packed = packed.addressable_data(0)
     packed = np.asarray(packed)
-    n = (packed.shape[0] - 1) // 2
-    return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[-1])
+    n = (packed.shape[0] - 3) // 2
+    return StepOutputs(packed[:n], packed[n : 2 * n].view(np.float32), packed[2 * n])
 
 
 def pad_to_power_of_two(ids) -> np.ndarray:
@@ -290,26 +312,41 @@ class StepRunner:
         self._cache_specs: dict = {}
         self._step = jax.jit(
             self._step_fn,
-            static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters"),
+            static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters",
+                             "stop_checks"),
             donate_argnums=(1,),
         )
+        self._no_previous: dict[tuple[int, int], jax.Array] = {}
 
-    def _step_fn(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, cache_specs, **static):
+    def _step_fn(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, cache_specs, **static):
         self.compilations += 1  # Python runs here only while tracing, i.e. once per compiled shape
         body = functools.partial(self._step_body, cache_tree=cache_tree, **static)
         if self.sharded is None:
-            return body(param_leaves, cache_leaves, ints, floats)
+            return body(param_leaves, cache_leaves, ints, floats, previous)
         specs = list(cache_specs)
         return jax.shard_map(
-            body, mesh=self.sharded.mesh, in_specs=(self.sharded.param_specs, specs, P(), P()),
+            body, mesh=self.sharded.mesh, in_specs=(self.sharded.param_specs, specs, P(), P(), P()),
             out_specs=(P(), specs), check_vma=False,
-        )(param_leaves, cache_leaves, ints, floats)
+        )(param_leaves, cache_leaves, ints, floats, previous)
 
-    def _step_body(self, param_leaves, cache_leaves, ints, floats, *, cache_tree, layout, placement, decode_steps, filters):
+    def _step_body(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, layout, placement,
+                   decode_steps, filters, stop_checks):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
         temperature, top_p = floats[:, 0], floats[:, 1]
+        chained = scalar["chained"] != 0
+        previous_last, previous_finished = _carry_of(previous)
+        if layout.tokens == 1:
+            tokens = jnp.where(chained[:, None], previous_last[:, None], tokens)
+        # Padding rows, and rows the chained-onto dispatch finished (a stop id): they run as padding.
+        stopped = (scalar["budget"] <= 0) | (chained & previous_finished)
+
+        def finished(last, counts):
+            """Rows whose request ends here (padding, or a stop id; not a budget that merely ran out): a
+            dispatch chained onto this one runs them as padding."""
+            hit = jnp.any(last[:, None] == stop_ids, axis=1)
+            return stopped | hit | (counts < scalar["budget"])
 
         def one(tokens, batch, cache, i):
             logits, cache = model.forward_paged(tokens, batch, cache, placement)
@@ -321,11 +358,13 @@ class StepRunner:
 
         rows = ints.shape[0]
         if decode_steps == 1:
-            next_tokens, logprobs, cache = one(tokens, batch, cache, 0)
-            counts = jnp.ones((rows,), jnp.int32)
-            return _pack_outputs(next_tokens[None], logprobs[None], counts), jax.tree.leaves(cache)
-
-        stopped = scalar["budget"] <= 0  # padding rows
+            # Padding rows are padding already; only a row a chained-onto dispatch finished needs turning into it.
+            step_batch = _as_padding(batch, chained & previous_finished)
+            next_tokens, logprobs, cache = one(tokens, step_batch, cache, 0)
+            counts = jnp.where(chained & previous_finished, 0, 1).astype(jnp.int32)
+            packed = _pack_outputs(next_tokens[None], logprobs[None], counts, next_tokens,
+                                   finished(next_tokens, counts))
+            return packed, jax.tree.leaves(cache)
 
         def body(carry):
             i, tokens, cache, out_tokens, out_logprobs, stopped, counts = carry
@@ -342,8 +381,9 @@ class StepRunner:
             return (i < decode_steps) & ~jnp.all(stopped)
 
         # Iterations run in groups of known trip count, which XLA runs without reading a predicate on the host;
-        # the stop check between groups is such a read (a host round trip with the device idle).
-        group = stop_check_group(decode_steps)
+        # the stop check between groups is such a read (a host round trip with the device idle, and the call
+        # returns only when the loop has ended). Without stop checks the loop is one group.
+        group = stop_check_group(decode_steps) if stop_checks else decode_steps
 
         def iterations(carry):
             return jax.lax.fori_loop(0, group, lambda _, c: body(c), carry)
@@ -361,31 +401,50 @@ class StepRunner:
             carry = iterations(carry)
         else:
             carry = jax.lax.while_loop(running, iterations, carry)
-        _, _, cache, out_tokens, out_logprobs, _, counts = carry
-        return _pack_outputs(out_tokens, out_logprobs, counts), jax.tree.leaves(cache)
+        _, last, cache, out_tokens, out_logprobs, _, counts = carry
+        packed = _pack_outputs(out_tokens, out_logprobs, counts, last[:, 0], finished(last[:, 0], counts))
+        return packed, jax.tree.leaves(cache)
 
-    def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1):
+    def run(self, cache, inputs: StepInputs, placement: Placement, decode_steps: int = 1, *,
+            previous: jax.Array | None = None, stop_checks: bool = True):
         """Runs one step; returns its outputs (a device array: pass it to :func:`unpack_outputs`) and the
-        updated cache. ``decode_steps`` > 1 only for decode steps (one token per row)."""
+        updated cache. ``decode_steps`` > 1 only for decode steps (one token per row).
+
+        ``previous``: the outputs of the dispatch this one is chained onto (rows marked ``chained`` in the
+        inputs take their token from it). ``stop_checks=False`` runs all ``decode_steps`` iterations without
+        checking whether every row has stopped: the call returns once the dispatch is queued."""
         if decode_steps > 1 and inputs.layout.tokens != 1:
             raise ValueError("several steps per dispatch are for decode steps only (one token per row)")
+        rows = inputs.ints.shape[0]
+        if previous is None:
+            previous = self._no_previous.get((decode_steps, rows))
+            if previous is None:
+                previous = self._no_previous[decode_steps, rows] = jnp.zeros((2 * decode_steps + 3, rows), jnp.int32)
+        elif previous.shape != (2 * decode_steps + 3, rows):
+            raise ValueError(f"a chained dispatch needs the previous dispatch's outputs of {rows} rows and "
+                             f"{decode_steps} steps, got an array of shape {previous.shape}")
         leaves, cache_tree = jax.tree.flatten(cache)
+        stop_checks = stop_checks and stop_check_group(decode_steps) < decode_steps  # one compiled variant if equal
         compilations, start = self.compilations, time.monotonic()
         outputs, leaves = self._step(
             self.param_leaves,
             leaves,
             inputs.ints,
             inputs.floats,
+            previous,
             cache_tree=cache_tree,
             cache_specs=self._specs_of(cache, cache_tree),
             layout=inputs.layout,
             placement=placement,
             decode_steps=decode_steps,
             filters=inputs.filters,
+            stop_checks=stop_checks,
         )
         if self.compilations > compilations and self.log is not None:  # this call traced (and compiled) a shape
-            rows, width = inputs.ints.shape[0], inputs.layout.tokens
+            width = inputs.layout.tokens
             what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
+            if width == 1 and decode_steps > 1 and not stop_checks:
+                what += ", no stop checks"
             filters = ", top-k/top-p sampler" if inputs.filters else ""
             self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
         return outputs, cache_tree.unflatten(leaves)
@@ -417,18 +476,27 @@ class StepRunner:
         both_samplers: bool = False,
     ):
         """Compile ``shapes`` now (padding-only inputs: all rows hit the sink), so serving them never waits.
-        ``both_samplers`` also compiles each shape's top-k/top-p sampler variant."""
+        ``both_samplers`` also compiles each shape's top-k/top-p sampler variant. A decode shape compiles both
+        loop variants: with stop checks (dispatches whose rows may stop early on their budget) and without
+        (every row's budget is the whole dispatch: the variant chained dispatches use)."""
         empty = ScheduledStep("prefill", (), ())
         start = time.monotonic()
-        variants = [(shape, filters) for shape in shapes for filters in ((False, True) if both_samplers else (False,))]
+        variants = []
+        for shape in shapes:
+            steps = decode_steps if shape[1] == 1 else 1
+            loops = (True, False) if stop_check_group(steps) < steps else (True,)
+            for filters in (False, True) if both_samplers else (False,):
+                variants += [(shape, filters, stop_checks) for stop_checks in loops]
         log, self.log = self.log, None
         try:
-            for i, (shape, filters) in enumerate(variants, start=1):
+            for i, (shape, filters, stop_checks) in enumerate(variants, start=1):
                 if progress is not None:
                     progress(f"compiling step {i}/{len(variants)} (rows={shape[0]}, tokens={shape[1]}"
-                             f"{', top-k/top-p sampler' if filters else ''}), {time.monotonic() - start:.0f}s so far")
+                             f"{', top-k/top-p sampler' if filters else ''}"
+                             f"{'' if stop_checks else ', no stop checks'}), {time.monotonic() - start:.0f}s so far")
                 inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters)
-                _, cache = self.run(cache, inputs, placement, decode_steps if shape[1] == 1 else 1)
+                _, cache = self.run(cache, inputs, placement, decode_steps if shape[1] == 1 else 1,
+                                    stop_checks=stop_checks)
         finally:
             self.log = log
         if progress is not None:

@@ -11,7 +11,7 @@ import pytest
 from apriel2_jax.engine.cache_layout import cache_layout, plan_cache
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
-from apriel2_jax.engine.step import STEPS_PER_STOP_CHECK, Buckets, StepRunner, build_inputs
+from apriel2_jax.engine.step import DEVICE_STOP_IDS, STEPS_PER_STOP_CHECK, Buckets, StepRunner, build_inputs
 from apriel2_jax.engine.scheduler import ScheduledStep
 from apriel2_jax.parity import load_case
 from apriel2_jax.placement import resolve_placement
@@ -193,18 +193,21 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     assert many.stats.decode_tokens == one.stats.decode_tokens - len(reference) + 1  # one also ran the reference
 
 
-@pytest.mark.parametrize("decode_steps, group", [(16, STEPS_PER_STOP_CHECK), (2, 2)])
-def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, decode_steps, group):
+@pytest.mark.parametrize("decode_steps, stop_checks, group",
+                         [(16, True, STEPS_PER_STOP_CHECK), (2, True, 2), (16, False, 16)])
+def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, decode_steps, stop_checks, group):
     """The device loop over decode iterations runs in groups of a trip count XLA knows (so the runtime needs no
     host read of a loop predicate per iteration); only the loop over groups, which stops early once every row has
-    stopped, has none."""
+    stopped, has none. Without stop checks (the variant chained dispatches use) the whole loop is one group."""
     runner = hybrid[2]
     llm = _engine(hybrid, decode_steps=decode_steps)
     inputs = build_inputs(ScheduledStep("prefill", (), ()), (4, 1), llm.cache_manager)
     leaves, tree = jax.tree.flatten(llm._cache)
+    previous = np.zeros((2 * decode_steps + 3, 4), np.int32)
     compiled = runner._step.lower(
-        runner.param_leaves, leaves, inputs.ints, inputs.floats, cache_tree=tree, cache_specs=None,
-        layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False).compile()
+        runner.param_leaves, leaves, inputs.ints, inputs.floats, previous, cache_tree=tree, cache_specs=None,
+        layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False,
+        stop_checks=stop_checks).compile()
     carried = leaves[0]  # every cache array is carried through the decode loop
     cache_shape = f"f32[{','.join(map(str, carried.shape))}]"
     trip_counts = [re.search(r'known_trip_count":\{"n":"(\d+)"', line)
@@ -212,6 +215,88 @@ def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, 
     trip_counts = [int(m.group(1)) if m else None for m in trip_counts]
     expected = [group] if group == decode_steps else [group, None]
     assert sorted(trip_counts, key=str) == sorted(expected, key=str), trip_counts
+
+
+def test_chained_decode_dispatches_give_the_same_tokens_as_one_at_a_time(hybrid):
+    """Decode dispatches queued before the host reads the one before (each row's token and stop taken from it on
+    the device) reproduce one dispatch at a time: greedy and seeded top-k/top-p sampling, a stop id hit while the
+    next dispatch is already queued, the context limit, and more requests than slots (a waiting request is
+    admitted once a row finishes)."""
+    case = hybrid[0]
+    rng = np.random.default_rng(2)
+    prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 14, 9)]
+    # Without prefix caching: the reference run would turn into a hit and move where prefill hands over to decode.
+    plain = _engine(hybrid, decode_steps=2, chain_decode=False, enable_prefix_caching=False)
+    reference = plain.generate(prompts[:1], SamplingParams.greedy(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    stop_id = reference[6]  # the seventh token: the second iteration of the third decode dispatch
+    params = [SamplingParams.greedy(max_new_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=7, top_p=0.8, seed=5, max_new_tokens=11, logprobs=True),
+              SamplingParams(temperature=1.1, seed=9, max_new_tokens=13, ignore_eos=True),
+              SamplingParams.greedy(max_new_tokens=30, ignore_eos=True),  # 14 + 30 > max_model_len 32
+              SamplingParams.greedy(max_new_tokens=9, ignore_eos=True, logprobs=True)]
+    expected = plain.generate(prompts, params)
+    assert plain.stats.chained_dispatches == 0
+    chained = _engine(hybrid, decode_steps=2, enable_prefix_caching=False)
+    got = chained.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
+    for i in (1, 4):
+        np.testing.assert_allclose(got[i].logprobs, expected[i].logprobs, rtol=1e-6)
+    assert got[0].token_ids == reference[: reference.index(stop_id) + 1] and got[0].finish_reason == "stop"
+    assert got[3].finish_reason == "length" and len(got[3].token_ids) == 32 - 14
+    assert chained.stats.chained_dispatches > 0
+    assert chained.stats.decode_tokens == plain.stats.decode_tokens - len(reference) + 1
+    assert all(used == 0 for used, _ in chained.cache_manager.usage().values())
+
+
+def test_a_stop_inside_a_dispatch_drops_the_chained_one_and_frees_its_pages(hybrid):
+    """One request alone chains every dispatch; when it stops at a stop id, the dispatch already queued behind the
+    stop runs its row as padding and its results are dropped: the output ends at the stop, nothing stays
+    allocated, and the engine serves the next request as if nothing had been queued."""
+    case = hybrid[0]
+    prompt = _prompts(case)[0]
+    greedy = SamplingParams.greedy(max_new_tokens=14, ignore_eos=True)
+    reference = _engine(hybrid, decode_steps=2, chain_decode=False).generate([prompt], greedy)[0].token_ids
+    stop = SamplingParams.greedy(max_new_tokens=14, stop_token_ids=(reference[8],), ignore_eos=True)
+    llm = _engine(hybrid, decode_steps=2)
+    events = list(llm.stream([prompt], stop))
+    output = events[-1].output
+    assert output.token_ids == reference[: reference.index(reference[8]) + 1] and output.finish_reason == "stop"
+    assert [t for e in events for t in e.new_token_ids] == output.token_ids
+    assert llm.stats.chained_dispatches > 0 and llm._in_flight is None
+    assert all(used == 0 for used, _ in llm.cache_manager.usage().values())
+    assert llm.generate([prompt], greedy)[0].token_ids == reference
+
+
+def test_chaining_stays_off_where_the_device_cannot_stop_a_row_exactly(hybrid):
+    """More stop ids than the device checks: the host finishes the row, so no dispatch is chained behind it."""
+    case = hybrid[0]
+    llm = _engine(hybrid, decode_steps=2)
+    params = SamplingParams.greedy(max_new_tokens=10, stop_token_ids=tuple(range(1, 3 + DEVICE_STOP_IDS)))
+    reference = _engine(hybrid, decode_steps=2, chain_decode=False).generate(_prompts(case), params)
+    got = llm.generate(_prompts(case), params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in reference]
+    assert llm.stats.chained_dispatches == 0 and llm.stats.decode_dispatches > 1
+
+
+def test_an_abort_while_a_chained_dispatch_is_queued_drops_only_that_row(hybrid):
+    """The incremental API (a server's loop) can abort a request between steps while a dispatch chained onto its
+    row is queued: the other rows' tokens are unchanged and the aborted row's pages are freed."""
+    case = hybrid[0]
+    prompts = _prompts(case)
+    params = SamplingParams.greedy(max_new_tokens=12, ignore_eos=True)
+    expected = _engine(hybrid, decode_steps=2, chain_decode=False).generate(prompts[:1], params)[0].token_ids
+    llm = _engine(hybrid, decode_steps=2)
+    keep, doomed = llm.add_request(prompts[0], params), llm.add_request(prompts[1], params)
+    events = []
+    while llm._in_flight is None:
+        events += llm.step()
+    assert llm.abort(doomed)
+    while llm.has_unfinished_requests:
+        events += llm.step()
+    assert [e.output.token_ids for e in events if e.finished] == [expected]
+    assert not any(e.index == doomed and e.finished for e in events)
+    assert all(used == 0 for used, _ in llm.cache_manager.usage().values())
 
 
 def test_stream_events_carry_each_dispatch_tokens_and_logprobs(hybrid):
@@ -242,11 +327,11 @@ def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
     lines = []
     llm = _engine(hybrid, step_runner=StepRunner(model, log=lines.append), warm_up="few", log=lines.append,
                   buckets=Buckets((1, 2, 4), (4,), (8,)))
-    assert llm.runner.compilations == 2  # decode at 1 and at 4 rows
-    assert any("compiled 2 steps" in line for line in lines)
+    assert llm.runner.compilations == 4  # decode at 1 and at 4 rows, with and without stop checks
+    assert any("compiled 4 steps" in line for line in lines)
     lines.clear()
     llm.generate(_prompts(case)[:1], SamplingParams.greedy(max_new_tokens=2))
-    assert llm.runner.compilations == 3  # the prefill shape, once
+    assert llm.runner.compilations == 5  # the prefill shape, once
     assert [line for line in lines if line.startswith("compiled step")] == [
         lines[-1]] and "prefill rows=4 tokens=8" in lines[-1]
 
@@ -255,9 +340,9 @@ def test_compile_steps_compiles_the_shapes_asked_for_and_rejects_others(hybrid):
     case, model, _ = hybrid
     llm = _engine(hybrid, step_runner=StepRunner(model), warm_up="none", buckets=Buckets((1, 2, 4), (4,), (8,)))
     llm.compile_steps([(4, 8), (1, 1)])
-    assert llm.runner.compilations == 2
+    assert llm.runner.compilations == 3  # decode with and without stop checks
     llm.generate(_prompts(case)[:1], SamplingParams.greedy(max_new_tokens=1))  # prefill (4, 8) only
-    assert llm.runner.compilations == 2
+    assert llm.runner.compilations == 3
     with pytest.raises(ValueError, match=r"\(3, 1\)"):
         llm.compile_steps([(3, 1)])
 
