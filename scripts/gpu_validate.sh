@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Correctness on the GPU with every Pallas kernel active (run through the device tool, carry .whl and .goldens):
-# the engine's golden tests and check_parity for every golden case and placement in float32. The runs go in
-# parallel (compilation is most of their time; 16 CPU cores), each with a small share of GPU memory.
+# the engine's golden tests, its chained-decode tests and check_parity for every golden case and placement in
+# float32. The runs go in parallel (compilation is most of their time; 16 CPU cores), each with a small share of
+# GPU memory.
 # Usage: bash scripts/gpu_validate.sh OUT_DIR [SECONDS]
 set -u
 out=${1:-/tmp/gpu_validate}
@@ -14,6 +15,10 @@ pids=()
 # kernels the engine does not register by default, checked against their jnp oracles
 timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
   > "$out/test_decode_mlp.log" 2>&1 &
+pids+=($!)
+# chained decode dispatches against one at a time (the carry read on the device)
+timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py \
+  -k "chained or stop_inside or abort_while or cannot_stop" > "$out/test_llm_chained.log" 2>&1 &
 pids+=($!)
 for case in "$APRIEL2_GOLDENS"/*/; do
   name=$(basename "$case")
