@@ -57,9 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps}; "
                    "fewer while requests wait to be prefilled)")
     g.add_argument("--chain-decode", action=argparse.BooleanOptionalAction, default=d.chain_decode,
-                   help="queue the next decode dispatch before reading the current one while the batch is "
-                        "unchanged, overlapping host work with the device (default on; --no-chain-decode: one "
-                        "dispatch at a time)")
+                   help="queue the next decode dispatch before reading the current one while no request can join "
+                        "the decode batch, overlapping host work with the device (default on; --no-chain-decode: "
+                        "one dispatch at a time)")
     g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
     g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
                    help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")

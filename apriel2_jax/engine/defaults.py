@@ -19,8 +19,8 @@ class EngineDefaults:
     # every step; more also delay admissions and leave rows that stopped early idle until the dispatch ends.
     # 16 against 8 took the 0.5B decode step down 6-10% on three of four placements (H200, docs/BENCHMARKS.md).
     decode_steps: int = 16
-    # Queue the next decode dispatch before reading the current one's results while the batch is unchanged, so
-    # the host's launch and token bookkeeping overlap the device's work (see ``LLM``, ``chain_decode``).
+    # Queue the next decode dispatch before reading the current one's results while no request can join the
+    # decode batch, so the host's launch and token bookkeeping overlap the device's work (``LLM``, ``chain_decode``).
     chain_decode: bool = True
     cache_memory_fraction: float = 0.85
     warm_up: str = "few"

@@ -8,9 +8,10 @@ One engine loop: the scheduler picks a step, the host builds its inputs once, th
 and the host appends tokens and checks stop conditions. Device caches are allocated once per placement from a
 memory budget and donated to every step.
 
-While a decode batch is unchanged (no request waiting for a free slot, every row running whole dispatches with
-stop conditions the device checks exactly), the next decode dispatch is *chained*: queued before the host reads
-the current one, taking each row's last token from it on the device. The host then reads and appends a
+While no request can join the decode batch (none waits for a free slot, none is being prefilled) and every row
+runs whole dispatches with stop conditions the device checks exactly, the next decode dispatch is *chained*:
+queued before the host reads the current one, taking each row's last token from it on the device (a row that
+stops there runs as padding, and leaves the batch at the dispatch after). The host then reads and appends a
 dispatch's tokens while the device runs the next, and the device never waits for the host between them.
 """
 
@@ -143,9 +144,9 @@ class LLM:
         ``max_prefill_rows`` to ``max_num_seqs``. ``decode_steps``: tokens a decode dispatch may generate per
         sequence (a device loop with on-device stop checks; shorter while requests wait to be prefilled, see
         ``Scheduler.decode_cap``). ``chain_decode``: queue the next decode dispatch before reading the current
-        one while the batch is unchanged (module docstring). ``warm_up``: which step shapes to compile before
-        serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the others compile
-        when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
+        one while no request can join the decode batch (module docstring). ``warm_up``: which step shapes to
+        compile before serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the
+        others compile when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
         per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
         compiled steps with another engine over the same model (e.g. to compare scheduler settings without
         recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
@@ -547,35 +548,39 @@ class LLM:
     def _chain(self, dispatch: "_Dispatch") -> "_Dispatch | None":
         """Queue the decode dispatch that follows ``dispatch`` before its results are read, or return None.
 
-        It is the step the scheduler would give the same rows once ``dispatch`` ran its whole budget (those it
-        stops at a stop id run as padding, from the carry on the device), so it is chained only when nothing in
-        ``dispatch``'s results could change the next schedule but such a stop: every running request is one of
-        its rows, none is loading, a waiting request could not be admitted anyway (every slot is taken), each
-        row's stop conditions are checked on the device exactly, each row has room for another whole dispatch,
-        and its pages are free now (nothing is preempted for a chained dispatch)."""
-        rows = dispatch.step.rows
+        It is the step the scheduler would give ``dispatch``'s rows whose requests still run, once ``dispatch`` ran
+        its whole budget (rows it stops at a stop id run as padding, from the carry on the device), so it is
+        chained only when nothing in ``dispatch``'s results could change the next schedule but such a stop: every
+        running request is one of its rows, none is loading, a waiting request could not be admitted anyway
+        (every slot is taken, or none waits), the rows fit the same bucket, each row's stop conditions are
+        checked on the device exactly, each row has room for another whole dispatch, and its pages are free now
+        (nothing is preempted for a chained dispatch). Rows whose requests ended (a stop seen in the dispatch
+        before, an abort) are left out, the others keep their order."""
+        live = [(i, row) for i, row in enumerate(dispatch.step.rows) if row.request.status is RequestStatus.RUNNING]
         scheduler, steps = self.scheduler, self.decode_steps
-        if scheduler.loading or len(scheduler.running) != len(rows):
+        if not live or scheduler.loading or len(scheduler.running) != len(live):
             return None
         if scheduler.waiting and scheduler.num_admitted < self.scheduler_config.max_num_seqs:
             return None  # a waiting request could be admitted as soon as one of these rows finishes
-        for row in rows:
+        if self.buckets.pick("decode", len(live), 1) != dispatch.shape:
+            return None  # the previous outputs' shape is part of the compiled step: one variant per bucket
+        for _, row in live:
             request = row.request
-            if request.status is not RequestStatus.RUNNING or not self._device_stops_exactly(request):
+            if not self._device_stops_exactly(request):
                 return None
             room = min(request.params.max_new_tokens - len(request.output_ids),
                        self.max_model_len - request.num_tokens) - row.budget
             if room < steps:
                 return None
-        for row in rows:
+        for _, row in live:
             # From the dispatch's own start: pages a sliding window leaves behind are released only after its
             # pages are published, as the scheduler does.
             if not self.cache_manager.try_allocate(row.request.request_id, row.start, row.budget + steps):
                 return None
         step = ScheduledStep("decode", tuple(ScheduledRow(row.request, row.start + row.budget, 1, True, steps)
-                                             for row in rows), ())
-        inputs = build_inputs(step, dispatch.shape, self.cache_manager, [steps] * len(rows),
-                              self.config.eos_token_ids, in_flight=[row.budget for row in rows])
+                                             for _, row in live), ())
+        inputs = build_inputs(step, dispatch.shape, self.cache_manager, [steps] * len(live),
+                              self.config.eos_token_ids, in_flight=[(i, row.budget) for i, row in live])
         launched = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, steps, previous=dispatch.packed,
                                               stop_checks=False)

@@ -11,9 +11,9 @@ stopped (checked every ``STEPS_PER_STOP_CHECK`` iterations). A stopped row is tu
 sink pages), so later iterations never touch its state. Padding rows and tokens touch only the sink page and sink
 slot, so a bucket larger than the live requests (or the state slots) never indexes out of bounds.
 
-A decode dispatch can be *chained* onto the previous one before the host has read it: its rows are the previous
-dispatch's rows, each row's token is the last one that dispatch sampled and a row it stopped stays stopped, both
-read on the device from the previous dispatch's outputs (``previous``). A dispatch without stop checks (every row
+A decode dispatch can be *chained* onto the previous one before the host has read it: each of its rows continues a
+row of the previous dispatch, whose last sampled token it feeds and whose stop it keeps (a row stopped there
+runs as padding), both read on the device from the previous dispatch's outputs (``previous``). A dispatch without stop checks (every row
 runs the whole loop unless it stops) returns as soon as it is queued, so the host can queue the next dispatch and
 then read this one while the device runs them back to back.
 """
@@ -120,7 +120,8 @@ class StepLayout:
     tokens: int  # tokens per row
     table_widths: tuple[tuple[str, int], ...]  # (family, block-table columns), in a fixed order
 
-    # chained: the row's token and whether it stopped come from the previous dispatch's outputs (``previous``)
+    # chained: 1 + the row of the previous dispatch (``previous``) whose last token and stop this row continues
+    # from, read on the device; 0: the row's token is in ``tokens``
     SCALARS = ("start", "length", "slot", "fresh", "top_k", "seed_hi", "seed_lo", "counter", "budget", "chained")
 
     @property
@@ -164,11 +165,12 @@ def build_inputs(
     cache: CacheManager,
     budgets: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
-    in_flight: Sequence[int] | None = None,
+    in_flight: Sequence[tuple[int, int]] | None = None,
 ) -> StepInputs:
     """``budgets``: per row, the most tokens a decode step may generate for it (pages are allocated for them).
-    ``in_flight``: a decode step chained onto a dispatch the host has not read yet; per row, the tokens that
-    dispatch generates for it (its budget there). The row's token then comes from that dispatch on the device."""
+    ``in_flight``: a decode step chained onto a dispatch the host has not read yet; per row, ``(its row in that
+    dispatch, the tokens that dispatch generates for it)``. The row's token then comes from that dispatch, on the
+    device."""
     rows, width = shape
     tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows)
     layout = StepLayout(width, tuple((f, t.shape[1]) for f, t in tables.tables.items()))
@@ -184,7 +186,7 @@ def build_inputs(
         request = row.request
         end, prompt = row.start + row.length, len(request.prompt_ids)
         if in_flight is not None:
-            ints[i, col["chained"].start] = 1
+            ints[i, col["chained"].start] = 1 + in_flight[i][0]
         elif end <= prompt:
             ints[i, first_token : first_token + row.length] = request.prompt_ids[row.start : end]
         else:
@@ -195,7 +197,7 @@ def build_inputs(
         ints[i, col["length"].start] = row.length
         ints[i, col["fresh"].start] = row.start == 0
         ints[i, col["top_k"].start] = min(params.top_k, np.iinfo(np.int32).max)  # larger means "no limit" anyway
-        ints[i, col["counter"].start] = len(request.output_ids) + (0 if in_flight is None else in_flight[i])
+        ints[i, col["counter"].start] = len(request.output_ids) + (0 if in_flight is None else in_flight[i][1])
         ints[i, col["budget"].start] = 1 if budgets is None else budgets[i]
         stop = _device_stop_ids(request, eos_token_ids)
         ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
@@ -261,9 +263,9 @@ def _pack_outputs(tokens, logprobs, counts, last, stopped) -> jax.Array:
     return jnp.concatenate([tokens, bits, counts[None].astype(jnp.int32), carry])
 
 
-def _carry_of(previous: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(last token, stopped) per row from a previous dispatch's packed outputs."""
-    return previous[-2], previous[-1] != 0
+def _carry_of(previous: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(last token, finished) of these rows of a previous dispatch, from its packed outputs."""
+    return previous[-2][rows], previous[-1][rows] != 0
 
 
 def unpack_outputs(packed) -> StepOutputs:
@@ -335,8 +337,8 @@ class StepRunner:
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
         temperature, top_p = floats[:, 0], floats[:, 1]
-        chained = scalar["chained"] != 0
-        previous_last, previous_finished = _carry_of(previous)
+        chained = scalar["chained"] > 0
+        previous_last, previous_finished = _carry_of(previous, jnp.maximum(scalar["chained"] - 1, 0))
         if layout.tokens == 1:
             tokens = jnp.where(chained[:, None], previous_last[:, None], tokens)
         # Padding rows, and rows the chained-onto dispatch finished (a stop id): they run as padding.

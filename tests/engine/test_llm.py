@@ -268,6 +268,26 @@ def test_a_stop_inside_a_dispatch_drops_the_chained_one_and_frees_its_pages(hybr
     assert llm.generate([prompt], greedy)[0].token_ids == reference
 
 
+def test_a_row_that_stops_leaves_the_chain_and_the_others_go_on_chained(hybrid):
+    """Two requests, nobody waiting: the first stops at its fourth token; the dispatch already queued runs it as
+    padding, and the ones after leave it out (the other request moves from row 1 to row 0, its token still read
+    from its own row) without a dispatch read before the next is queued."""
+    case = hybrid[0]
+    first_prompt, second_prompt = _prompts(case)
+    greedy = SamplingParams.greedy(max_new_tokens=13, ignore_eos=True)
+    settings = dict(decode_steps=2, enable_prefix_caching=False, max_model_len=48)
+    reference = _engine(hybrid, chain_decode=False, **settings).generate([first_prompt, second_prompt], greedy)
+    stops = SamplingParams.greedy(max_new_tokens=13, stop_token_ids=(reference[0].token_ids[3],), ignore_eos=True)
+    llm = _engine(hybrid, **settings)
+    got = llm.generate([first_prompt, second_prompt], [stops, greedy])
+    first = reference[0].token_ids
+    assert got[0].token_ids == first[: first.index(first[3]) + 1] and got[0].finish_reason == "stop"
+    assert got[1].token_ids == reference[1].token_ids
+    # Prefill gave each request its first token; six dispatches of two decode the other's 12: only the first
+    # was scheduled and read before the next was queued.
+    assert llm.stats.decode_dispatches == 6 and llm.stats.chained_dispatches == 5
+
+
 def test_chaining_stays_off_where_the_device_cannot_stop_a_row_exactly(hybrid):
     """More stop ids than the device checks: the host finishes the row, so no dispatch is chained behind it."""
     case = hybrid[0]
