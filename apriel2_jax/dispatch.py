@@ -7,10 +7,12 @@ reference. ``APRIEL2_OPS=reference`` forces the jnp ops everywhere (the oracle, 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
 import jax
+import numpy as np
 
 from .ops import attention, conv, decode_fused, delta_rule, mamba, paged_attention
 
@@ -42,11 +44,50 @@ _REFERENCE: dict[str, Callable] = {
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
 
+def lowered_once(fn: Callable) -> Callable:
+    """``fn`` behind one ``jax.jit`` per call signature (its pytree structure, array shapes and non-array
+    arguments), so a kernel called at many sites of one step (every layer) is traced and lowered once.
+
+    Lowering a Pallas kernel (building its Triton or Mosaic GPU module) runs per call site otherwise, and the
+    persistent compilation cache cannot skip it: the cache key is the lowered module. A Mosaic GPU kernel took
+    ~0.5 s to lower per site on a development machine's CPU (8 sites: 4.4 s, against 0.45 s behind one jit).
+    XLA inlines the nested call, so the compiled step is the same. Arguments that are not arrays must be
+    hashable; a call with one that is not goes to ``fn`` directly."""
+    jitted: dict = {}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+        statics = tuple((i, leaf) for i, (leaf, array) in enumerate(zip(leaves, is_array)) if not array)
+        key = (tree, statics, tuple(is_array))
+        try:
+            inner = jitted.get(key)
+        except TypeError:  # an unhashable non-array argument
+            return fn(*args, **kwargs)
+        if inner is None:
+            def run(*array_args, tree=tree, statics=statics, is_array=tuple(is_array)):
+                full, it = [None] * len(is_array), iter(array_args)
+                for i, array in enumerate(is_array):
+                    if array:
+                        full[i] = next(it)
+                for i, leaf in statics:
+                    full[i] = leaf
+                call_args, call_kwargs = jax.tree.unflatten(tree, full)
+                return fn(*call_args, **call_kwargs)
+
+            inner = jitted[key] = jax.jit(run)
+        return inner(*(leaf for leaf, array in zip(leaves, is_array) if array))
+
+    return call
+
+
 def register(name: str, platform: str, fn: Callable) -> None:
-    """Register a kernel for ``name`` on ``platform`` ("gpu", "cpu", ...); it must match the reference signature."""
+    """Register a kernel for ``name`` on ``platform`` ("gpu", "cpu", ...); it must match the reference signature.
+    It runs behind :func:`lowered_once`."""
     if name not in _REFERENCE:
         raise KeyError(f"unknown op {name!r}; known ops: {sorted(_REFERENCE)}")
-    _KERNELS[(name, platform)] = fn
+    _KERNELS[(name, platform)] = lowered_once(fn)
 
 
 def unregister(name: str, platform: str | None = None) -> None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from apriel2_jax.dispatch import lowered_once
 from apriel2_jax.ops import decode_fused
 from apriel2_jax.ops.norms import activation
 from pallas_kernels import decode_mlp
@@ -75,6 +76,26 @@ def test_cross_lowers_for_cuda(rows, hidden, inter):
     # lowering runs Mosaic GPU's layout and transform checks (wgmma operands, swizzles, transposed stores)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_many_call_sites_behind_the_dispatch_jit_lower_the_kernel_once():
+    """Every layer calls the kernel; behind ``lowered_once`` (as the dispatch point registers kernels) its Mosaic
+    GPU module is built and embedded once, not once per call site."""
+    plan = decode_mlp.schedule(8, 256, 512, 132)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 256), (512, 256), (512, 256), (256, 512))]
+    kernel = lowered_once(functools.partial(decode_mlp.gated_mlp_partials, act="silu", plan=plan))
+
+    def layers(n, h, w_gate, w_up, w_down):
+        for _ in range(n):
+            h = h + kernel(h, w_gate, w_up, w_down).sum(0).T.astype(h.dtype)
+        return h
+
+    def lowered_text(n):
+        fn = jax.jit(functools.partial(layers, n))
+        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    one, four = lowered_text(1), lowered_text(4)
+    assert one.count("mosaic_gpu") == four.count("mosaic_gpu") > 0  # plain calls: four times as many
 
 
 def _partials_in_jnp(h, w_gate, w_up, w_down, act, plan):
