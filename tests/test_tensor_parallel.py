@@ -15,6 +15,7 @@ import pytest
 
 from apriel2_jax.checkpoint import load_model
 from apriel2_jax.engine.llm import LLM
+from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.step import Buckets
 from apriel2_jax.parity import FLOAT32_TOLERANCE, load_case
 from apriel2_jax.placement import resolve_placement
@@ -106,6 +107,20 @@ def test_prefix_caching_with_split_caches():
     assert _run(split, prompts) == _run(plain, prompts)
     assert split.stats.prefix.snapshots_restored > 0
     assert [a.sharding for a in jax.tree.leaves(split._cache)] == shardings
+
+
+def test_chained_decode_dispatches_with_split_caches():
+    """A dispatch chained onto the previous one reads its carry (replicated over the mesh) inside shard_map: the
+    same tokens as one device, one dispatch at a time."""
+    directory = os.path.join(GOLDENS, "hybrid_all_mixers")
+    case = load_case(directory)
+    engine = dict(SMALL, placements=case.placements, placement="mamba", dtype="float32", decode_steps=2)
+    plain = LLM(directory, chain_decode=False, **engine)
+    split = LLM(directory, tensor_parallel=2, debug_checks=True, **engine)
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=5, seed=3, max_new_tokens=8)]
+    want = [o.token_ids for o in plain.generate(_prompts(case), params)]
+    assert [o.token_ids for o in split.generate(_prompts(case), params)] == want
+    assert split.stats.chained_dispatches > 0
 
 
 def test_in_memory_model_can_be_split_and_random_sharded_models_run():
