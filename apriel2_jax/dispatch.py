@@ -59,7 +59,8 @@ def lowered_once(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         leaves, tree = jax.tree.flatten((args, kwargs))
         is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
-        statics = tuple((i, leaf) for i, (leaf, array) in enumerate(zip(leaves, is_array)) if not array)
+        # The type too: 1, 1.0 and True are equal but trace differently.
+        statics = tuple((i, type(leaf), leaf) for i, (leaf, array) in enumerate(zip(leaves, is_array)) if not array)
         key = (tree, statics, tuple(is_array))
         try:
             inner = jitted.get(key)
@@ -71,7 +72,7 @@ def lowered_once(fn: Callable) -> Callable:
                 for i, array in enumerate(is_array):
                     if array:
                         full[i] = next(it)
-                for i, leaf in statics:
+                for i, _, leaf in statics:
                     full[i] = leaf
                 call_args, call_kwargs = jax.tree.unflatten(tree, full)
                 return fn(*call_args, **call_kwargs)

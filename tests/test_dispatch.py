@@ -61,3 +61,10 @@ def test_a_kernel_with_an_unhashable_argument_is_called_directly(monkeypatch):
 def test_registering_an_unknown_op_names_the_known_ones():
     with pytest.raises(KeyError, match="known ops"):
         dispatch.register("no_such_op", "cpu", lambda x: x)
+
+
+def test_equal_arguments_of_other_types_are_other_signatures():
+    kernel = dispatch.lowered_once(lambda x, scale: x * scale)
+    x = jnp.arange(4, dtype=jnp.int32)
+    assert kernel(x, 2).dtype == jnp.int32
+    assert kernel(x, 2.0).dtype == (x * 2.0).dtype  # 2 == 2.0, but a float scale makes a float product

@@ -111,16 +111,21 @@ def test_prefix_caching_with_split_caches():
 
 def test_chained_decode_dispatches_with_split_caches():
     """A dispatch chained onto the previous one reads its carry (replicated over the mesh) inside shard_map: the
-    same tokens as one device, one dispatch at a time."""
+    same tokens as one device, one dispatch at a time, and no step compiled beyond the warm-up (a dispatch with no
+    previous one gets a placeholder placed like a dispatch's outputs)."""
     directory = os.path.join(GOLDENS, "hybrid_all_mixers")
     case = load_case(directory)
-    engine = dict(SMALL, placements=case.placements, placement="mamba", dtype="float32", decode_steps=2)
+    engine = dict(SMALL, placements=case.placements, placement="mamba", dtype="float32", decode_steps=2,
+                  buckets=Buckets((2,), (2,), (8,)))
     plain = LLM(directory, chain_decode=False, **engine)
-    split = LLM(directory, tensor_parallel=2, debug_checks=True, **engine)
-    params = [GREEDY, SamplingParams(temperature=0.8, top_k=5, seed=3, max_new_tokens=8)]
+    split = LLM(directory, tensor_parallel=2, debug_checks=True, **dict(engine, warm_up="few"))
+    split.generate(_prompts(case)[:1], SamplingParams.greedy(max_new_tokens=1))  # compiles the prefill shape
+    compiled = split.runner.compilations
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_new_tokens=8)]  # no top-k: no new sampler variant
     want = [o.token_ids for o in plain.generate(_prompts(case), params)]
     assert [o.token_ids for o in split.generate(_prompts(case), params)] == want
     assert split.stats.chained_dispatches > 0
+    assert split.runner.compilations == compiled
 
 
 def test_in_memory_model_can_be_split_and_random_sharded_models_run():

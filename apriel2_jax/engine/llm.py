@@ -78,7 +78,8 @@ class _Dispatch:
     shape: tuple[int, int]  # its bucket
     packed: jax.Array  # its outputs (``step.unpack_outputs``)
     launched: float  # time.monotonic() when it was queued
-    whole: bool  # decode, every row's budget the whole dispatch (run without stop checks)
+    outside: float  # ``LLM._outside`` then
+    unchecked: bool  # decode without stop checks (every iteration runs): the next dispatch may chain onto it
 
 
 @dataclasses.dataclass
@@ -146,8 +147,8 @@ class LLM:
         ``Scheduler.decode_cap``). ``chain_decode``: queue the next decode dispatch before reading the current
         one while no request can join the decode batch (module docstring). ``warm_up``: which step shapes to
         compile before serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the
-        others compile when first needed. ``compilation_cache``: directory of the persistent compilation cache (None: the
-        per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
+        others compile when first needed. ``compilation_cache``: directory of the persistent compilation cache
+        (None: the per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
         compiled steps with another engine over the same model (e.g. to compare scheduler settings without
         recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
         pages and state slots are split the same way and the cache budget is per device.
@@ -221,7 +222,10 @@ class LLM:
         self.decode_steps = decode_steps
         self.chain_decode = bool(chain_decode)
         self._in_flight: _Dispatch | None = None  # a chained decode dispatch the host has not read yet
-        self._last_read = 0.0  # when the host last finished reading a dispatch's results
+        # Seconds the caller has held control (between steps, consuming events), and when that last ended; with
+        # when the host last read a dispatch's results (and the first figure then), for device-time accounting.
+        self._outside, self._left_at = 0.0, time.monotonic()
+        self._last_read = (0.0, 0.0)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_chunk, max_prefill_rows, decode_steps, self.max_model_len,
             # Buckets built for the token budget keep padded steps within it; given buckets are taken as they are.
@@ -301,7 +305,8 @@ class LLM:
             page_size=self.page_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
-            max_chunk=max(self.scheduler_config.max_chunk, self.decode_steps),
+            # A chained dispatch's pages are allocated while the one before still holds its own: two dispatches.
+            max_chunk=max(self.scheduler_config.max_chunk, self.decode_steps * (2 if self.chain_decode else 1)),
             snapshot_bytes=int(self._cache_bytes * self.snapshot_memory_fraction) if self.enable_prefix_caching else 0,
         )
         self.plan = plan
@@ -463,6 +468,13 @@ class LLM:
                 self._cache = self.runner.copy_state_rows(self._cache, self.layout.state.layers, pairs)
 
     def _step(self) -> Iterator[StreamEvent]:
+        self._outside += time.monotonic() - self._left_at
+        try:
+            yield from self._step_inner()
+        finally:
+            self._left_at = time.monotonic()
+
+    def _step_inner(self) -> Iterator[StreamEvent]:
         if self._in_flight is not None:
             dispatch, self._in_flight = self._in_flight, None
             yield from self._finish(dispatch)
@@ -482,20 +494,21 @@ class LLM:
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
-        # Every row's budget is the whole dispatch: no stop checks (the call returns once the dispatch is queued),
-        # and the next dispatch may chain onto it.
-        whole = decode and all(row.budget == self.decode_steps for row in step.rows)
+        # A dispatch the next may chain onto runs without stop checks: the call returns once it is queued (every
+        # row's budget is the whole dispatch, so only rows stopped at a stop id could end it early).
+        unchecked = decode and self.chain_decode and all(
+            row.budget == self.decode_steps and self._device_stops_exactly(row.request) for row in step.rows)
         launched = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1,
-                                              stop_checks=not whole)
-        yield from self._finish(_Dispatch(step, shape, packed, launched, whole))
+                                              stop_checks=not unchecked)
+        yield from self._finish(_Dispatch(step, shape, packed, launched, self._outside, unchecked))
 
     def _finish(self, dispatch: "_Dispatch") -> Iterator[StreamEvent]:
         """Read a dispatch's results and hand out its tokens; first chain the next decode dispatch onto it when
         nothing the results could say would change that dispatch."""
         step = dispatch.step
         decode = step.kind == "decode"
-        if dispatch.whole and self.chain_decode:
+        if dispatch.unchecked:
             self._in_flight = self._chain(dispatch)
         if self.prefix_cache is not None:
             # Host work for the next admissions while the device runs this step. It sits inside the step timer,
@@ -504,9 +517,14 @@ class LLM:
         outputs = unpack_outputs(dispatch.packed)
         now = time.monotonic()
         # A chained dispatch starts on the device when the one before it ends, which is about when its results
-        # were read: device time per dispatch, not counting time the device spent on the previous one.
-        elapsed = now - max(dispatch.launched, self._last_read)
-        self._last_read = now
+        # were read: device time per dispatch, not counting time the device spent on the previous one, nor time
+        # the caller held control since (between steps, or consuming events), when the device may have idled.
+        if dispatch.launched >= self._last_read[0]:
+            start, outside = dispatch.launched, dispatch.outside
+        else:
+            start, outside = self._last_read
+        elapsed = now - start - (self._outside - outside)
+        self._last_read = (now, self._outside)
         tokens, logprobs = outputs.tokens, outputs.logprobs
         # A chained dispatch's rows whose requests ended while it was queued (a stop in the dispatch before, or an
         # abort) ran as padding or wrote past their end: their results are dropped.
@@ -519,7 +537,7 @@ class LLM:
         if decode:
             self.stats.decode_dispatches += 1
             # Without stop checks the device runs every iteration even after all rows have stopped.
-            self.stats.decode_steps += self.decode_steps if dispatch.whole else outputs.steps
+            self.stats.decode_steps += self.decode_steps if dispatch.unchecked else outputs.steps
             self.stats.decode_tokens += sum(fed.values())
             self.stats.decode_seconds += elapsed
         else:
@@ -534,7 +552,10 @@ class LLM:
         for i, row in live:
             if row.samples:
                 count = fed.get(row.request, 1)
-                yield from self._append(row.request, tokens[:count, i].tolist(), logprobs[:count, i].tolist(), now)
+                for event in self._append(row.request, tokens[:count, i].tolist(), logprobs[:count, i].tolist(), now):
+                    left = time.monotonic()
+                    yield event
+                    self._outside += time.monotonic() - left
         if self.debug_checks:
             self.scheduler.check_invariants()
 
@@ -585,7 +606,7 @@ class LLM:
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, steps, previous=dispatch.packed,
                                               stop_checks=False)
         self.stats.chained_dispatches += 1
-        return _Dispatch(step, dispatch.shape, packed, launched, whole=True)
+        return _Dispatch(step, dispatch.shape, packed, launched, self._outside, unchecked=True)
 
     def _drop_in_flight(self) -> None:
         """Forget a chained dispatch whose requests all ended before it was read (waiting for it, so its device
@@ -593,7 +614,7 @@ class LLM:
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight.packed)
             self._in_flight = None
-            self._last_read = time.monotonic()
+            self._last_read = (time.monotonic(), self._outside)
 
     # ------------------------------------------------------------------------------------------------------------
     def _finish_loads(self, results: list[LoadResult]) -> None:

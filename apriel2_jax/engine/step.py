@@ -11,11 +11,11 @@ stopped (checked every ``STEPS_PER_STOP_CHECK`` iterations). A stopped row is tu
 sink pages), so later iterations never touch its state. Padding rows and tokens touch only the sink page and sink
 slot, so a bucket larger than the live requests (or the state slots) never indexes out of bounds.
 
-A decode dispatch can be *chained* onto the previous one before the host has read it: each of its rows continues a
-row of the previous dispatch, whose last sampled token it feeds and whose stop it keeps (a row stopped there
-runs as padding), both read on the device from the previous dispatch's outputs (``previous``). A dispatch without stop checks (every row
-runs the whole loop unless it stops) returns as soon as it is queued, so the host can queue the next dispatch and
-then read this one while the device runs them back to back.
+A decode dispatch can be *chained* onto the previous one before the host has read it: each of its rows continues
+a row of the previous dispatch, whose last sampled token it feeds and whose stop it keeps (a row stopped there
+runs as padding), both read on the device from the previous dispatch's outputs (``previous``). A dispatch
+without stop checks (every row runs the whole loop unless it stops) returns as soon as it is queued, so the
+host can queue the next dispatch and then read this one while the device runs them back to back.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..modules import Apriel2ForCausalLM
 from ..modules.paged import PagedBatch
@@ -421,7 +421,12 @@ class StepRunner:
         if previous is None:
             previous = self._no_previous.get((decode_steps, rows))
             if previous is None:
-                previous = self._no_previous[decode_steps, rows] = jnp.zeros((2 * decode_steps + 3, rows), jnp.int32)
+                previous = np.zeros((2 * decode_steps + 3, rows), np.int32)
+                if self.sharded is not None:  # placed like a chained dispatch's outputs: one compiled signature
+                    previous = jax.device_put(previous, NamedSharding(self.sharded.mesh, P()))
+                else:
+                    previous = jax.device_put(previous)
+                self._no_previous[decode_steps, rows] = previous
         elif previous.shape != (2 * decode_steps + 3, rows):
             raise ValueError(f"a chained dispatch needs the previous dispatch's outputs of {rows} rows and "
                              f"{decode_steps} steps, got an array of shape {previous.shape}")

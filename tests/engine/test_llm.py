@@ -3,6 +3,7 @@ preemption and placements must all reproduce the reference's greedy tokens."""
 
 import os
 import re
+import time
 
 import jax
 import numpy as np
@@ -286,6 +287,43 @@ def test_a_row_that_stops_leaves_the_chain_and_the_others_go_on_chained(hybrid):
     # Prefill gave each request its first token; six dispatches of two decode the other's 12: only the first
     # was scheduled and read before the next was queued.
     assert llm.stats.decode_dispatches == 6 and llm.stats.chained_dispatches == 5
+
+
+def test_window_block_tables_hold_a_chained_dispatchs_pages(hybrid):
+    """A chained dispatch's pages are allocated while the dispatch before it holds its own: a sliding-window
+    family's block table must hold both (here decode dispatches of 8 against prefill chunks of 8)."""
+    settings = dict(decode_steps=8, max_chunk=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = SamplingParams.greedy(max_new_tokens=20, ignore_eos=True)
+    expected = _engine(hybrid, chain_decode=False, **settings).generate([[5, 9, 13, 17, 21]], params)
+    llm = _engine(hybrid, **settings)
+    assert llm.generate([[5, 9, 13, 17, 21]], params)[0].token_ids == expected[0].token_ids
+    assert llm.stats.chained_dispatches > 0
+
+
+def test_decode_time_leaves_out_the_time_the_caller_holds_control(hybrid):
+    """A chained dispatch is timed from the read of the one before; time the caller spends between steps (the
+    device may be idle by then) is not device time."""
+    llm = _engine(hybrid, decode_steps=2, enable_prefix_caching=False)
+    llm.add_request([5, 9, 13, 17, 21], SamplingParams.greedy(max_new_tokens=12, ignore_eos=True))
+    while llm._in_flight is None:
+        llm.step()
+    before = llm.stats.decode_seconds
+    time.sleep(1.0)
+    llm.step()  # reads the chained dispatch, done long ago
+    assert llm.stats.decode_seconds - before < 0.5
+
+
+def test_without_chaining_a_dispatch_still_stops_early_once_every_row_has_stopped(hybrid):
+    """With chaining off, dispatches keep their stop checks: rows that all stop at a stop id end the device
+    loop at the next check instead of running every iteration."""
+    case = hybrid[0]
+    prompt = _prompts(case)[0]
+    reference = _engine(hybrid, decode_steps=8).generate([prompt], GREEDY)[0].token_ids
+    # 12 tokens: the first decode dispatch's budget is all 8 steps; the stop comes at its second
+    stop = SamplingParams.greedy(max_new_tokens=12, stop_token_ids=(reference[2],), ignore_eos=True)
+    llm = _engine(hybrid, decode_steps=8, chain_decode=False)
+    assert llm.generate([prompt], stop)[0].token_ids == reference[: reference.index(reference[2]) + 1]
+    assert llm.stats.decode_dispatches == 1 and llm.stats.decode_steps < 8  # ended at a stop check
 
 
 def test_chaining_stays_off_where_the_device_cannot_stop_a_row_exactly(hybrid):
