@@ -122,6 +122,7 @@ def test_text_prompt_json(json_run, text_ckpt):
     assert record["text"] == tok.decode(record["token_ids"]) and len(record["text"]) >= 3
     assert len(record["logprobs"]) == 12 and all(lp <= 0 for lp in record["logprobs"])
     assert "tokens/s" in stderr and "prefill" in stderr and "decode" in stderr and "cache peak" in stderr
+    assert re.search(r"\d+ decode dispatches, \d+ chained", stderr)
 
 
 def test_text_prompt_streams_and_stops(json_run, text_ckpt, capsys):
