@@ -88,7 +88,9 @@ def test_preemption_mid_prefill_and_mid_decode_gives_the_same_tokens(hybrid, usa
     case, model, _ = hybrid
     placement = resolve_placement(model.config, "mamba", case.placements)
     layout = cache_layout(model.config, placement, 4)
-    roomy = plan_cache(layout, budget_bytes=2**30, page_size=4, max_num_seqs=4, max_model_len=32, max_chunk=8)
+    # The engine sizes window block tables for two chained decode dispatches, or a prefill chunk if longer.
+    roomy = plan_cache(layout, budget_bytes=2**30, page_size=4, max_num_seqs=4, max_model_len=32,
+                       max_chunk=max(8, 2 * decode_steps))
     full = next(f for f in layout.attention if f.window is None)
     fixed = sum(v for k, v in roomy.bytes.items() if k != "full")
     llm = _engine(hybrid, cache_bytes=fixed + (usable_pages + 1) * 4 * full.token_bytes, decode_steps=decode_steps)
@@ -174,7 +176,9 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     rng = np.random.default_rng(1)
     prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 26, 9)]
     # Without prefix caching: the reference run would turn into a hit and move where prefill hands over to decode.
-    one = _engine(hybrid, decode_steps=1, enable_prefix_caching=False)
+    # Without chaining: a chained dispatch delays the fifth request's admission by a dispatch, which puts its
+    # prefill in another batch (float32 logprobs then move by ~1e-6; chaining has tests of its own).
+    one = _engine(hybrid, decode_steps=1, enable_prefix_caching=False, chain_decode=False)
     reference = one.generate(prompts[:1], GREEDY)[0].token_ids
     stop_id = reference[4]  # the greedy run of prompt 0 emits it at its fifth token
     params = [SamplingParams.greedy(max_new_tokens=8, stop_token_ids=(stop_id,)),
@@ -183,7 +187,7 @@ def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
               SamplingParams.greedy(max_new_tokens=12, ignore_eos=True),  # 26 + 12 > max_model_len 32
               SamplingParams.greedy(max_new_tokens=3, logprobs=True)]
     expected = one.generate(prompts, params)
-    many = _engine(hybrid, decode_steps=6, enable_prefix_caching=False)  # 3 groups of 2 iterations
+    many = _engine(hybrid, decode_steps=6, enable_prefix_caching=False, chain_decode=False)  # 3 groups of 2
     got = many.generate(prompts, params)
     for e, g in zip(expected, got):
         assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
