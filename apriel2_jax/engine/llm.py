@@ -8,8 +8,8 @@ One engine loop: the scheduler picks a step, the host builds its inputs once, th
 and the host appends tokens and checks stop conditions. Device caches are allocated once per placement from a
 memory budget and donated to every step.
 
-While no request can join the decode batch (none waits for a free slot, none is being prefilled) and every row
-runs whole dispatches with stop conditions the device checks exactly, the next decode dispatch is *chained*:
+While no request can join the decode batch (none waits, none is being prefilled or loaded) and every row runs
+whole dispatches with stop conditions the device checks exactly, the next decode dispatch is *chained*:
 queued before the host reads the current one, taking each row's last token from it on the device (a row that
 stops there runs as padding, and leaves the batch at the dispatch after). The host then reads and appends a
 dispatch's tokens while the device runs the next, and the device never waits for the host between them.
@@ -572,17 +572,16 @@ class LLM:
         It is the step the scheduler would give ``dispatch``'s rows whose requests still run, once ``dispatch`` ran
         its whole budget (rows it stops at a stop id run as padding, from the carry on the device), so it is
         chained only when nothing in ``dispatch``'s results could change the next schedule but such a stop: every
-        running request is one of its rows, none is loading, a waiting request could not be admitted anyway
-        (every slot is taken, or none waits), the rows fit the same bucket, each row's stop conditions are
-        checked on the device exactly, each row has room for another whole dispatch, and its pages are free now
-        (nothing is preempted for a chained dispatch). Rows whose requests ended (a stop seen in the dispatch
+        running request is one of its rows, none is loading or waiting, the rows fit the same bucket, each row's
+        stop conditions are checked on the device exactly, each row has room for another whole dispatch, and its
+        pages are free now (nothing is preempted for a chained dispatch). Rows whose requests ended (a stop seen in the dispatch
         before, an abort) are left out, the others keep their order."""
         live = [(i, row) for i, row in enumerate(dispatch.step.rows) if row.request.status is RequestStatus.RUNNING]
         scheduler, steps = self.scheduler, self.decode_steps
-        if not live or scheduler.loading or len(scheduler.running) != len(live):
+        # A waiting request is admitted as soon as a row stops and frees its slot; a dispatch queued behind the
+        # stop would hold its prefill back a whole dispatch.
+        if not live or scheduler.loading or scheduler.waiting or len(scheduler.running) != len(live):
             return None
-        if scheduler.waiting and scheduler.num_admitted < self.scheduler_config.max_num_seqs:
-            return None  # a waiting request could be admitted as soon as one of these rows finishes
         if self.buckets.pick("decode", len(live), 1) != dispatch.shape:
             return None  # the previous outputs' shape is part of the compiled step: one variant per bucket
         for _, row in live:

@@ -226,7 +226,7 @@ def test_chained_decode_dispatches_give_the_same_tokens_as_one_at_a_time(hybrid)
     """Decode dispatches queued before the host reads the one before (each row's token and stop taken from it on
     the device) reproduce one dispatch at a time: greedy and seeded top-k/top-p sampling, a stop id hit while the
     next dispatch is already queued, the context limit, and more requests than slots (a waiting request is
-    admitted once a row finishes)."""
+    admitted once a row finishes, and chaining resumes after)."""
     case = hybrid[0]
     rng = np.random.default_rng(2)
     prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 14, 9)]
@@ -328,6 +328,31 @@ def test_without_chaining_a_dispatch_still_stops_early_once_every_row_has_stoppe
     llm = _engine(hybrid, decode_steps=8, chain_decode=False)
     assert llm.generate([prompt], stop)[0].token_ids == reference[: reference.index(reference[2]) + 1]
     assert llm.stats.decode_dispatches == 1 and llm.stats.decode_steps < 8  # ended at a stop check
+
+
+def test_no_dispatch_is_chained_while_a_request_waits(hybrid):
+    """A request waiting for a slot takes the slot of the first row that stops: a dispatch chained behind that
+    stop would hold its prefill back a whole dispatch, so nothing is chained while one waits (and chaining
+    resumes once it is admitted)."""
+    case = hybrid[0]
+    llm = _engine(hybrid, decode_steps=2, max_num_seqs=2, max_prefill_rows=2, buckets=Buckets((2,), (2,), (8,)),
+                  enable_prefix_caching=False)
+    waiting_when_chained = []
+    chain = llm._chain
+
+    def spy(dispatch):
+        queued = chain(dispatch)
+        if queued is not None:
+            waiting_when_chained.append(len(llm.scheduler.waiting))
+        return queued
+
+    llm._chain = spy
+    prompts = _prompts(case) + [[5, 9, 13]]
+    params = [SamplingParams.greedy(max_new_tokens=n, ignore_eos=True) for n in (7, 13, 9)]
+    expected = _engine(hybrid, decode_steps=2, max_num_seqs=2, max_prefill_rows=2, chain_decode=False,
+                       buckets=Buckets((2,), (2,), (8,)), enable_prefix_caching=False).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in expected]
+    assert waiting_when_chained and not any(waiting_when_chained)
 
 
 def test_chaining_stays_off_where_the_device_cannot_stop_a_row_exactly(hybrid):
