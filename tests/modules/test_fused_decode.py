@@ -152,7 +152,7 @@ def test_tensor_parallel_down_projection_keeps_the_psum_path(monkeypatch):
 def test_unregister_drops_a_kernel_for_the_unfused_baseline(monkeypatch):
     monkeypatch.setattr(dispatch, "_KERNELS", dict(dispatch._KERNELS))
     dispatch.register("rope_write_paged_attention", "cpu", decode_fused.matmul_add)  # any callable will do
-    assert dispatch.kernel("rope_write_paged_attention") is decode_fused.matmul_add
+    assert dispatch.kernel("rope_write_paged_attention").__wrapped__ is decode_fused.matmul_add  # lowered_once
     dispatch.unregister("rope_write_paged_attention")
     assert dispatch.kernel("rope_write_paged_attention") is None
     dispatch.unregister("rope_write_paged_attention")  # nothing registered: no error
