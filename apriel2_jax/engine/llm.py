@@ -476,9 +476,11 @@ class LLM:
 
     def _step_inner(self) -> Iterator[StreamEvent]:
         if self._in_flight is not None:
-            dispatch, self._in_flight = self._in_flight, None
-            yield from self._finish(dispatch)
-            return
+            if any(row.request.status is RequestStatus.RUNNING for row in self._in_flight.step.rows):
+                dispatch, self._in_flight = self._in_flight, None
+                yield from self._finish(dispatch)
+                return
+            self._drop_in_flight()  # all its requests ended (stops, aborts): this step schedules afresh
         if self.kv_connector is not None and self.scheduler.loading:
             self._finish_loads(self.kv_connector.poll())
         step = self.scheduler.schedule()
@@ -609,7 +611,8 @@ class LLM:
 
     def _drop_in_flight(self) -> None:
         """Forget a chained dispatch whose requests all ended before it was read (waiting for it, so its device
-        time does not count in what runs next)."""
+        time does not count in what runs next). A caller may stop stepping once nothing is unfinished, so the next
+        step, or the next stream, drops it too."""
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight.packed)
             self._in_flight = None

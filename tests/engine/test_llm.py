@@ -355,6 +355,24 @@ def test_no_dispatch_is_chained_while_a_request_waits(hybrid):
     assert waiting_when_chained and not any(waiting_when_chained)
 
 
+def test_a_step_after_every_queued_row_was_aborted_runs_new_work(hybrid):
+    """A server stops stepping once nothing is unfinished: a chained dispatch whose only request was aborted
+    stays queued, and the next step (a new request's) must run that request's prefill, not read the stale
+    dispatch."""
+    case = hybrid[0]
+    llm = _engine(hybrid, decode_steps=2, enable_prefix_caching=False)
+    params = SamplingParams.greedy(max_new_tokens=12, ignore_eos=True)
+    doomed = llm.add_request(_prompts(case)[0], params)
+    while llm._in_flight is None:
+        llm.step()
+    assert llm.abort(doomed) and not llm.has_unfinished_requests
+    llm.add_request([5, 9, 13], SamplingParams.greedy(max_new_tokens=1))
+    prefilled = llm.stats.prefill_tokens
+    events = llm.step()
+    assert llm.stats.prefill_tokens == prefilled + 3 and [e.finished for e in events] == [True]
+    assert llm._in_flight is None and all(used == 0 for used, _ in llm.cache_manager.usage().values())
+
+
 def test_chaining_stays_off_where_the_device_cannot_stop_a_row_exactly(hybrid):
     """More stop ids than the device checks: the host finishes the row, so no dispatch is chained behind it."""
     case = hybrid[0]
