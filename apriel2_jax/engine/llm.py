@@ -42,7 +42,7 @@ from .kv_connector import transfer
 from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
-from .step import DEVICE_STOP_IDS, Buckets, StepRunner, build_inputs, stop_check_group, unpack_outputs
+from .step import Buckets, StepRunner, build_inputs, device_stops_exactly, stop_check_group, unpack_outputs
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -499,7 +499,8 @@ class LLM:
         # A dispatch the next may chain onto runs without stop checks: the call returns once it is queued (every
         # row's budget is the whole dispatch, so only rows stopped at a stop id could end it early).
         unchecked = decode and self.chain_decode and all(
-            row.budget == self.decode_steps and self._device_stops_exactly(row.request) for row in step.rows)
+            row.budget == self.decode_steps and device_stops_exactly(row.request, self.config.eos_token_ids)
+            for row in step.rows)
         launched = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1,
                                               stop_checks=not unchecked)
@@ -561,13 +562,6 @@ class LLM:
         if self.debug_checks:
             self.scheduler.check_invariants()
 
-    def _device_stops_exactly(self, request: Request) -> bool:
-        """Whether the device loop stops ``request`` exactly where the host's stop check does: no stop strings,
-        and all its stop ids fit the device's list (its token limits are the rows' budgets)."""
-        params = request.params
-        ids = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.config.eos_token_ids))
-        return not params.stop and ids <= DEVICE_STOP_IDS
-
     def _chain(self, dispatch: "_Dispatch") -> "_Dispatch | None":
         """Queue the decode dispatch that follows ``dispatch`` before its results are read, or return None.
 
@@ -576,8 +570,8 @@ class LLM:
         chained only when nothing in ``dispatch``'s results could change the next schedule but such a stop: every
         running request is one of its rows, none is loading or waiting, the rows fit the same bucket, each row's
         stop conditions are checked on the device exactly, each row has room for another whole dispatch, and its
-        pages are free now (nothing is preempted for a chained dispatch). Rows whose requests ended (a stop seen in the dispatch
-        before, an abort) are left out, the others keep their order."""
+        pages are free now (nothing is preempted for a chained dispatch). Rows whose requests ended (a stop seen
+        in the dispatch before, an abort) are left out, the others keep their order."""
         live = [(i, row) for i, row in enumerate(dispatch.step.rows) if row.request.status is RequestStatus.RUNNING]
         scheduler, steps = self.scheduler, self.decode_steps
         # A waiting request is admitted as soon as a row stops and frees its slot; a dispatch queued behind the
@@ -588,11 +582,9 @@ class LLM:
             return None  # the previous outputs' shape is part of the compiled step: one variant per bucket
         for _, row in live:
             request = row.request
-            if not self._device_stops_exactly(request):
+            if not device_stops_exactly(request, self.config.eos_token_ids):
                 return None
-            room = min(request.params.max_new_tokens - len(request.output_ids),
-                       self.max_model_len - request.num_tokens) - row.budget
-            if room < steps:
+            if scheduler.tokens_left(request) < row.budget + steps:  # this dispatch's budget, then a whole one
                 return None
         for _, row in live:
             # From the dispatch's own start: pages a sliding window leaves behind are released only after its

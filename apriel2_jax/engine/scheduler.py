@@ -250,12 +250,16 @@ class Scheduler:
                 return ScheduledStep(kind, tuple(rows), tuple(preempted))
         return ScheduledStep("idle", (), tuple(preempted)) if preempted else None
 
+    def tokens_left(self, request: Request) -> int:
+        """Tokens ``request`` may still generate: up to ``max_new_tokens`` and the context limit."""
+        left = request.params.max_new_tokens - len(request.output_ids)
+        if self.config.max_model_len is not None:
+            left = min(left, self.config.max_model_len - request.num_tokens)
+        return left
+
     def decode_budget(self, request: Request) -> int:
         """Tokens one decode step may generate for ``request``: ``decode_steps``, fewer near its end."""
-        budget = min(self.config.decode_steps, request.params.max_new_tokens - len(request.output_ids))
-        if self.config.max_model_len is not None:
-            budget = min(budget, self.config.max_model_len - request.num_tokens)
-        return max(1, budget)
+        return max(1, min(self.config.decode_steps, self.tokens_left(request)))
 
     def decode_cap(self) -> int:
         """The most tokens any row may generate in the next decode dispatch. The rows run in one device loop, so

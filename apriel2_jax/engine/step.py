@@ -151,12 +151,21 @@ class StepInputs:
     filters: bool  # some row samples with top-k or top-p (selects the sampler variant)
 
 
+def _stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
+    params = request.params
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
 def _device_stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
     """The ids that stop ``request`` on the device: a subset of what the host's stop check finishes it on, so
     a row the device keeps running past a stop is still finished there."""
-    params = request.params
-    ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-    return ids[:DEVICE_STOP_IDS]
+    return _stop_ids(request, eos_token_ids)[:DEVICE_STOP_IDS]
+
+
+def device_stops_exactly(request, eos_token_ids: Sequence[int]) -> bool:
+    """Whether the device loop stops ``request`` exactly where the host's stop check does: no stop strings, and
+    all its stop ids fit the device's list (its token limits are the rows' budgets)."""
+    return not request.params.stop and len(_stop_ids(request, eos_token_ids)) <= DEVICE_STOP_IDS
 
 
 def build_inputs(
