@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 
@@ -152,11 +153,14 @@ def kernel_times(events, match: str = "") -> dict:
 
 
 def device_intervals(events) -> list[tuple[str, float, float]]:
-    """(name, start µs, duration µs) of every event on the GPU's stream tracks (kernels, copies, memsets), by
-    start time."""
+    """(name, start µs, duration µs) of every event on the first GPU's stream tracks (kernels, copies, memsets),
+    by start time. Under tensor parallelism every device runs the same step, so one device's timeline is the
+    step's; the union over devices would hide each one's idle time behind the others' kernels."""
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = sorted((name for name in processes.values() if name.startswith("/device:")), key=_device_order)
+    processes = {pid: name for pid, name in processes.items() if devices and name == devices[0]}
     threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     out = []
@@ -169,7 +173,14 @@ def device_intervals(events) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda x: x[1])
 
 
+def _device_order(process_name: str) -> tuple:
+    """Sort key of a trace's device process names ("/device:GPU:10" after "/device:GPU:2")."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", process_name))
+
+
 _KINDS = (  # (kind, substrings of a GPU event name), first match wins
+    ("collective", ("nccl", "all-reduce", "all_reduce", "AllReduce", "all-gather", "all_gather", "AllGather",
+                    "reduce-scatter", "ReduceScatter")),
     ("copy/memset", ("memcpy", "memset", "Memcpy", "Memset")),
     ("matmul", ("gemm", "gemv", "GEMM", "nvjet", "xmma", "cutlass", "cublas", "dot_")),
     ("attention", ("paged_attention", "attention")),

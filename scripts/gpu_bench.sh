@@ -52,25 +52,44 @@ elif [ "$part" = engine15b ]; then
   step capacity_15b 300 $gen --capacity --placement all-attention reg-lklhd-10 idealized-lklhd-6 \
     --prompt-len 32768 --output-len 256 --json "$out/capacity_15b.jsonl"
 elif [ "$part" = tp_parity ]; then
-  # Golden parity (float32) through the tensor-parallel path over $TP devices, one process per case in parallel
-  # (carry .goldens).
-  tp=${TP:-1}
-  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for case in ${APRIEL2_GOLDENS:-.goldens}/*/; do
-    step "parity_tp${tp}_$(basename "$case")" 300 python3 scripts/check_parity.py "$case" --tensor-parallel "$tp" &
+  # Golden parity (float32) through the tensor-parallel path at each entry of $TPS (default $TP, else 1), one
+  # process per case and size, all in parallel (carry .goldens), beside the engine's tensor-parallel tests at TP=2
+  # (split caches, prefix caching, chained dispatches); then one line per run and the logs in one archive.
+  tps=${TPS:-${TP:-1}}
+  goldens=${APRIEL2_GOLDENS:-.goldens}
+  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 XLA_PYTHON_CLIENT_PREALLOCATE=false
+  logs="$out/tp_parity_logs"; mkdir -p "$logs"
+  for tp in $tps; do
+    for case in "$goldens"/*/; do
+      timeout 400 env PYTHONUNBUFFERED=1 python3 scripts/check_parity.py "$case" --tensor-parallel "$tp" \
+        > "$logs/parity_tp${tp}_$(basename "$case").log" 2>&1 &
+    done
   done
+  timeout 400 env PYTHONUNBUFFERED=1 APRIEL2_GOLDENS="$goldens" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_tensor_parallel.py -k "each_device or caches_are or prefix_caching or chained" \
+    > "$logs/tp_tests.log" 2>&1 &
   wait
+  for log in "$logs"/parity_*.log; do
+    echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
+  done
+  echo "tp_tests: $(tail -1 "$logs/tp_tests.log")"
+  tar czf "$out/tp_parity_logs.tgz" -C "$out" tp_parity_logs && rm -rf "$logs"
 elif [ "$part" = tp_bench ]; then
   # The 15B decode/prefill and capacity at each entry of $TPS ("none": the one-device model), side by side, for
-  # $PLACEMENTS; CAPACITY=0 skips the capacity run.
+  # $PLACEMENTS at $BATCH rows (default 8; 4 fits one 80 GB H100 with all-attention at 32K); CAPACITY=0 skips the
+  # capacity run, BENCH=0 the decode/prefill run; TRACE=1 adds each step's breakdown (collectives included, on the
+  # first device).
   tps=${TPS:-none 1}
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
   placements=${PLACEMENTS:-all-attention reg-lklhd-10}
-  step engine_15b_tp 330 $gen --placement $placements --batch 8 --prompt-len 32768 --output-len 32 \
-    --prefill-batch 1 --tensor-parallel $tps --json "$out/engine_15b_tp.jsonl"
+  trace=""; [ "${TRACE:-0}" = 1 ] && trace="--trace"
+  if [ "${BENCH:-1}" = 1 ]; then
+    step engine_15b_tp "${BENCH_LIMIT:-330}" $gen --placement $placements --batch "${BATCH:-8}" --prompt-len 32768 \
+      --output-len 32 --prefill-batch 1 --tensor-parallel $tps $trace --json "$out/engine_15b_tp.jsonl"
+  fi
   if [ "${CAPACITY:-1}" = 1 ]; then
-    step capacity_15b_tp 240 $gen --capacity --placement $placements --prompt-len 32768 \
+    step capacity_15b_tp "${CAPACITY_LIMIT:-240}" $gen --capacity --placement $placements --prompt-len 32768 \
       --output-len 64 --tensor-parallel $tps --json "$out/capacity_15b_tp.jsonl"
   fi
 elif [ "$part" = prefix ]; then

@@ -39,3 +39,22 @@ def test_step_breakdown_splits_busy_and_idle_time_and_names_kinds():
     assert b["kinds_us"] == {"matmul": 5.0, "attention": 5.0, "copy/memset": 2.5}
     assert kernel_kind("input_reduce_fusion_3") == "sort/reduce" and kernel_kind("loop_add_fusion") == "fusion/other"
     assert step_breakdown([], 3) == {}
+
+
+def test_device_intervals_reads_one_device_of_a_tensor_parallel_trace():
+    """Every device of a mesh runs the same step: the first device's timeline is the step's, and NCCL's kernels
+    count as collectives."""
+    from apriel2_jax.benchmarking import device_intervals, kernel_kind, step_breakdown
+
+    events = (_meta(1, 7, "/device:GPU:10", "Stream #7(Compute)") + _meta(2, 7, "/device:GPU:0", "Stream #7(Compute)")
+              + _meta(3, 7, "/device:GPU:2", "Stream #7(Compute)"))
+    events += [dict(ph="X", name="gemm_fusion_dot", pid=2, tid=7, ts=0.0, dur=4.0),
+               dict(ph="X", name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", pid=2, tid=7, ts=6.0, dur=2.0),
+               dict(ph="X", name="gemm_fusion_dot", pid=3, tid=7, ts=4.0, dur=2.0),
+               dict(ph="X", name="late", pid=1, tid=7, ts=50.0, dur=1.0)]
+    intervals = device_intervals(events)
+    assert [name for name, _, _ in intervals] == ["gemm_fusion_dot", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]
+    b = step_breakdown(intervals, steps=1)
+    assert b["span_us"] == 8.0 and b["idle_us"] == 2.0
+    assert b["kinds_us"] == {"matmul": 4.0, "collective": 2.0}
+    assert kernel_kind("all-reduce-start.3") == "collective"
