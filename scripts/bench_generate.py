@@ -169,20 +169,22 @@ def main(argv=None) -> int:
     named = load_placements(args.config_dir)
     bandwidth = hbm_bandwidth()
     rows = sampler_rows(raw, args.batch, bandwidth) if args.sampler else []
-    for tp in args.tensor_parallel if not args.sampler else ():
-        for name in args.placement:
-            run = (run_capacity if args.capacity else run_shared_prefix if args.shared_prefix
-                   else run_kv_prefix if args.kv_prefix else run_dispatch_cost if args.dispatch_cost
-                   else run_placement)
-            rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
-    if args.capacity:
-        for row in rows:
-            row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
-    if args.dispatch_cost:
-        rows += launch_cost_rows()
-    print_rows(rows)
-    if args.json:
-        append_jsonl(args.json, rows)
+    try:
+        for tp in args.tensor_parallel if not args.sampler else ():
+            for name in args.placement:
+                run = (run_capacity if args.capacity else run_shared_prefix if args.shared_prefix
+                       else run_kv_prefix if args.kv_prefix else run_dispatch_cost if args.dispatch_cost
+                       else run_placement)
+                rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
+        if args.dispatch_cost:
+            rows += launch_cost_rows()
+    finally:  # a run that fails (out of memory, too few devices) keeps the rows measured before it
+        if args.capacity:
+            for row in rows:
+                row["vs_first"] = round(row["output_tok_s"] / rows[0]["output_tok_s"], 2)
+        print_rows(rows)
+        if args.json:
+            append_jsonl(args.json, rows)
     return 0
 
 
