@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="prefill with the engine's default token budget, chunk and rows (ignores the three flags)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--warm-up", choices=("few", "all", "none"), default=None,
+                    help="the engine's start-up compilation (default: LLM's); none compiles the measured shapes on "
+                    "their first, untimed run")
     ap.add_argument("--capacity", action="store_true",
                     help="decode as many requests as the cache holds (see above) instead of --batch")
     ap.add_argument("--shared-prefix", type=int, default=None, metavar="N",
@@ -229,6 +232,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     if args.decode_steps:
         engine["decode_steps"] = args.decode_steps
     engine["chain_decode"] = args.chain_decode
+    if args.warm_up:
+        engine["warm_up"] = args.warm_up
     t0 = time.monotonic()
     llm = LLM(
         model=model,

@@ -81,7 +81,7 @@ elif [ "$part" = tp_bench ]; then
   # first device).
   tps=${TPS:-none 1}
   configs=${CONFIGS:-../shared/configs}
-  gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
+  gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults ${BENCH_ARGS:-}"
   placements=${PLACEMENTS:-all-attention reg-lklhd-10}
   trace=""; [ "${TRACE:-0}" = 1 ] && trace="--trace"
   if [ "${BENCH:-1}" = 1 ]; then
