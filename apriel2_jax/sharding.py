@@ -333,8 +333,8 @@ def cache_axis(name: str) -> int:
 
 def make_mesh(tp: int, devices: Sequence | None = None):
     """A one-axis mesh (``AXIS``) over the first ``tp`` of ``devices`` (default: ``jax.devices()``). Multi-host:
-    call ``jax.distributed.initialize()`` first, then ``jax.devices()`` lists every host's devices and the mesh
-    spans them."""
+    call ``apriel2_jax.distributed.initialize`` first, then ``jax.devices()`` lists every host's devices and the
+    mesh spans them."""
     import jax
     from jax.sharding import Mesh
 
@@ -343,7 +343,8 @@ def make_mesh(tp: int, devices: Sequence | None = None):
         raise ShardingError(
             f"tensor_parallel={tp} needs {tp} devices, but {len(devices)} are visible "
             f"({devices[0].platform if devices else 'none'}); on a CPU use "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} for virtual devices"
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} for virtual devices; across hosts, join the "
+            f"processes first (--coordinator-address/--num-processes/--process-id or --distributed)"
         )
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
 

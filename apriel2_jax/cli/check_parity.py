@@ -1,9 +1,12 @@
-"""``check_parity.py CASE_DIR [--placement NAME] [--dtype float32|bfloat16] [--tensor-parallel N]``"""
+"""``check_parity.py CASE_DIR [--placement NAME] [--dtype float32|bfloat16] [--tensor-parallel N]
+[--coordinator-address HOST:PORT --num-processes P --process-id I | --distributed]``"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .engine_args import add_distributed_arguments, join_processes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,9 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="run the tensor-parallel path over N devices (forward and engine greedy checks; 1 checks "
                         "that path on one device)")
+    add_distributed_arguments(parser)
     args = parser.parse_args(argv)
 
     import jax
+
+    try:  # several processes run this same command over one mesh; process 0 prints the table
+        primary = not join_processes(args) or jax.process_index() == 0
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
     if args.dtype == "float32":
         # On GPUs XLA would otherwise run fp32 matmuls in TF32, which is far outside the 1e-3 budget.
@@ -34,13 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, PlacementError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform}, tensor parallel {args.tensor_parallel or 'none'})")
-    print(format_table(results))
     failed = [r for r in results if not r.passed]
-    if failed:
-        print(f"{len(failed)} check(s) failed", file=sys.stderr)
-        return 1
-    return 0
+    if primary:
+        processes = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        print(f"{args.case_dir} ({args.dtype}, device {jax.devices()[0].platform}, tensor parallel "
+              f"{args.tensor_parallel or 'none'}{processes})")
+        print(format_table(results))
+        if failed:
+            print(f"{len(failed)} check(s) failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="split the model over N devices (heads, MLP channels and vocabulary; default 1)")
 
 
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that join several processes (hosts) into one mesh: every process runs the same command with its own
+    --process-id; process 0 writes the results."""
+    g = parser.add_argument_group("several processes (a tensor-parallel mesh across hosts)")
+    g.add_argument("--distributed", action="store_true",
+                   help="join the other processes of a SLURM or Open MPI job (they supply the settings below)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's host and a free port; with --num-processes and --process-id")
+    g.add_argument("--num-processes", type=int, default=None, metavar="P", help="how many processes run the command")
+    g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index in [0, P)")
+
+
+def join_processes(args) -> bool:
+    """Join the other processes when the flags ask for it (before anything touches a device); True if joined.
+    ``DistributedError`` (a ``ValueError``) names a missing or bad flag."""
+    settings = (args.coordinator_address, args.num_processes, args.process_id)
+    if not args.distributed and all(value is None for value in settings):
+        return False
+    from ..distributed import initialize
+
+    initialize(*settings, names={"coordinator_address": "--coordinator-address",
+                                 "num_processes": "--num-processes", "process_id": "--process-id"})
+    return True
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     d = DEFAULTS

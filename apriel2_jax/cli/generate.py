@@ -20,7 +20,8 @@ import os
 import sys
 import time
 
-from .engine_args import add_engine_arguments, add_model_arguments, engine_kwargs, parse_placement
+from .engine_args import (add_distributed_arguments, add_engine_arguments, add_model_arguments, engine_kwargs,
+                          join_processes, parse_placement)
 
 PROG = "apriel2-generate"
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", action="store_true", help="report the log-probability of each generated token")
 
     add_engine_arguments(parser)
+    add_distributed_arguments(parser)
 
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true",
@@ -390,16 +392,21 @@ def _run(args) -> int:
                     f"which must leave room for at least one generated token (raise --max-model-len or shorten it)"
                 )
 
+        # Several processes run this same command, each on its own devices of one mesh; process 0 writes.
+        primary = not join_processes(args) or jax.process_index() == 0
         # float32: on GPUs XLA would otherwise run fp32 matmuls in TF32. Scoped, so that in-process callers keep
         # their own setting; every step is compiled inside this block (warm-up or first use).
         precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
-        with precision:
-            outputs, wall, llm = _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids, params)
+        with precision, (contextlib.nullcontext(sys.stdout) if primary else open(os.devnull, "w")) as stdout:
+            outputs, wall, llm = _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids,
+                                           params, stdout)
     except UsageError:
         raise
     except errors as err:  # TokenizerNotFound is a FileNotFoundError
         raise UsageError(str(err)) from None
 
+    if not primary:
+        return 0
     outputs.sort(key=lambda o: o.index)
     if args.json:
         sys.stdout.write(json.dumps([output_record(o) for o in outputs], ensure_ascii=False) + "\n")
@@ -409,11 +416,11 @@ def _run(args) -> int:
     return 0
 
 
-def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids, params):
-    """Build the engine and run every prompt, printing as requests progress; returns (outputs, seconds, llm)."""
+def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids, params, stdout):
+    """Build the engine and run every prompt, printing to ``stdout`` as requests progress; returns (outputs,
+    seconds, llm)."""
     from ..engine.llm import LLM
 
-    stdout = sys.stdout
     llm = LLM(directory, placement=placement, placements=named or None, seed=engine_seed, tokenizer=tokenizer,
               **engine_kwargs(args))
 

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ..checkpoint import load_model
 from ..compilation_cache import enable_compilation_cache
+from ..distributed import agree_on_minimum
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
 from ..tensor_parallel import ShardedModel, shard_model
@@ -214,6 +215,11 @@ class LLM:
         if kv_connector is not None and not self.enable_prefix_caching:
             raise CacheConfigError("kv_connector needs enable_prefix_caching=True: the connector stores prefixes "
                                    "under their prefix-cache hashes")
+        if kv_connector is not None and jax.process_count() > 1:
+            # Every process must schedule the same steps; a load ends when its own host's store answers.
+            raise CacheConfigError(f"kv_connector is not supported across several processes ({jax.process_count()} "
+                                   "joined): each host's loads would finish at other steps and the processes' "
+                                   "schedules would part; run without it")
         self.snapshot_memory_fraction = snapshot_memory_fraction
         self.page_size = page_size
         self.seed = seed
@@ -283,7 +289,7 @@ class LLM:
             if not limit:
                 return DEFAULT_CPU_CACHE_BYTES  # CPU: no device memory figure; use a fixed budget
             budgets.append(max(0, int(limit * fraction) - int(stats.get("bytes_in_use", 0))))
-        return min(budgets)
+        return agree_on_minimum(min(budgets))  # several processes (hosts) must size one mesh's caches alike
 
     def set_placement(self, placement: PlacementSpec = None) -> None:
         """Run the supernet with another placement. Clears the caches (no request may be in flight); compiled

@@ -1,0 +1,118 @@
+"""Several processes as one mesh (apriel2_jax/distributed.py): the settings' checks, the command-line flags, and
+the same command run as two processes of two virtual CPU devices each (a TP=4 mesh across processes, collectives
+through gloo): golden parity, and generation from a converted checkpoint with only process 0 writing."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from apriel2_jax.cli import check_parity, generate
+from apriel2_jax.distributed import DistributedError, check_settings
+from apriel2_jax.parity import load_case
+from tests.conftest import GOLDENS, REPO
+
+CASE = os.path.join(GOLDENS, "hybrid_all_mixers")  # every mixer kind in one model
+
+
+def test_settings_must_be_complete_and_consistent(monkeypatch):
+    for variable in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    check_settings("host0:1234", 2, 1)
+    with pytest.raises(DistributedError, match="missing num_processes, process_id"):
+        check_settings("host0:1234", None, None)
+    with pytest.raises(DistributedError, match="HOST:PORT.*'host0'"):
+        check_settings("host0", 2, 0)
+    with pytest.raises(DistributedError, match=r"process_id must be in \[0, 2\).*got 2"):
+        check_settings("host0:1234", 2, 2)
+    with pytest.raises(DistributedError, match="no coordinator"):
+        check_settings(None, None, None)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # the cluster manager supplies them
+    check_settings(None, None, None)
+
+
+@pytest.mark.parametrize("command", ["generate", "check_parity"])
+def test_command_lines_name_the_missing_flags(command, capsys):
+    if command == "generate":
+        code = generate.main([CASE, "--prompt-ids", "1,2,3", "--process-id", "1"])
+    else:
+        code = check_parity.main([CASE, "--process-id", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "missing --coordinator-address, --num-processes" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _without_gloo(stdout: str) -> str:
+    """Gloo (the CPU collectives) announces its connections on stdout from C++ threads, whose lines may
+    interleave; not the command's output."""
+    return "".join(line for line in stdout.splitlines(keepends=True) if "[Gloo]" not in line and "peer ranks" not in line)
+
+
+def _run_processes(args, processes: int = 2, devices: int = 2, timeout: float = 600) -> list[tuple[int, str, str]]:
+    """Run ``python args...`` as ``processes`` joined processes of ``devices`` CPU devices each: (exit code,
+    stdout, stderr) per process."""
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=REPO)
+    running = [
+        subprocess.Popen([sys.executable, *args, "--coordinator-address", f"127.0.0.1:{port}",
+                          "--num-processes", str(processes), "--process-id", str(i)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in running]
+        return [(p.returncode, _without_gloo(out), err) for p, (out, err) in zip(running, outputs)]
+    finally:
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_parity_across_two_processes():
+    """Forward logits and engine greedy tokens of every mixer kind, over a TP=4 mesh whose devices belong to two
+    processes; process 0 prints the table, process 1 nothing."""
+    results = _run_processes(["-m", "apriel2_jax.cli.check_parity", CASE, "--tensor-parallel", "4",
+                              "--placement", "main"])
+    (code0, out0, err0), (code1, out1, err1) = results
+    assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
+    assert "tensor parallel 4, 2 processes" in out0
+    rows = [line for line in out0.splitlines() if line.startswith("main ")]
+    assert len(rows) == 2 and all(" ok " in row for row in rows), out0
+    assert out1 == ""
+
+
+def test_generate_from_a_converted_checkpoint_across_two_processes(tmp_path):
+    """apriel2-convert --tp 4 output restored by two processes, each reading its own devices' rows through orbax;
+    the greedy tokens are the goldens' and only process 0 writes them."""
+    from convert.cli import main as convert
+
+    out_dir = str(tmp_path / "converted")
+    assert convert([CASE, out_dir, "--tp", "4", "--dtype", "float32"]) == 0
+    case = load_case(CASE)
+    prompt = ",".join(str(int(t)) for t in case.input_ids[0, : case.prompt_len])
+    results = _run_processes(["-m", "apriel2_jax.cli.generate", out_dir, "--prompt-ids", prompt,
+                              "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32", "--tensor-parallel", "4",
+                              "--max-num-seqs", "2", "--max-model-len", "64", "--warm-up", "none", "--json"])
+    (code0, out0, err0), (code1, out1, err1) = results
+    assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
+    (record,) = json.loads(out0)
+    assert record["token_ids"] == [int(t) for t in case.greedy_ids["main"][0]]
+    assert out1 == ""
+
+
+def test_processes_agree_on_the_smallest_budget():
+    """Each host sizes the caches from its own free memory; the processes must build the same shapes."""
+    script = ("import sys, jax; from apriel2_jax.distributed import initialize, agree_on_minimum; "
+              "a = sys.argv[1:]; initialize(a[1], int(a[3]), int(a[5])); "
+              "print(agree_on_minimum((5 - jax.process_index()) * 2**30 + 12345))")
+    results = _run_processes(["-c", script], devices=1)
+    assert [(code, out.strip()) for code, out, _ in results] == [(0, str(4 * 2**30))] * 2, results
