@@ -116,3 +116,13 @@ def test_processes_agree_on_the_smallest_budget():
               "print(agree_on_minimum((5 - jax.process_index()) * 2**30 + 12345))")
     results = _run_processes(["-c", script], devices=1)
     assert [(code, out.strip()) for code, out, _ in results] == [(0, str(4 * 2**30))] * 2, results
+
+
+def test_kv_connector_is_refused_across_processes():
+    """Each host's connector loads end at other steps, so the processes' schedules would part: a clear error."""
+    results = _run_processes(["-m", "apriel2_jax.cli.generate", CASE, "--prompt-ids", "1,2,3", "--dtype", "float32",
+                              "--tensor-parallel", "2", "--max-num-seqs", "2", "--max-model-len", "64",
+                              "--kv-connector", "host", "--kv-connector-bytes", "64M"], devices=1)
+    for code, out, err in results:
+        assert code == 2 and out == "", err[-2000:]
+        assert "kv_connector is not supported across several processes (2 joined)" in err
