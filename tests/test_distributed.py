@@ -126,3 +126,13 @@ def test_kv_connector_is_refused_across_processes():
     for code, out, err in results:
         assert code == 2 and out == "", err[-2000:]
         assert "kv_connector is not supported across several processes (2 joined)" in err
+
+
+def test_server_is_refused_across_processes():
+    """Requests reach one host only, while every process of a mesh must run the same steps."""
+    script = ("import sys; from apriel2_jax.distributed import initialize; a = sys.argv[1:]; "
+              "initialize(a[1], int(a[3]), int(a[5])); from apriel2_jax.server import create_app\n"
+              "try:\n    create_app(None)\nexcept ValueError as err:\n    print(err)")
+    results = _run_processes(["-c", script], devices=1)
+    for code, out, err in results:
+        assert code == 0 and "the server runs on one host; this process is one of 2 joined" in out, err[-2000:]

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +49,10 @@ def create_app(llm: LLM, *, model_name: str | None = None, max_queued_requests: 
     """The app serving ``llm``, which it owns from start-up to shutdown (the engine thread runs it; nothing else
     may call it meanwhile). ``app.state.engine`` is the :class:`EngineLoop`; ``log`` receives the engine thread's
     messages (failed steps with their tracebacks; default: the engine's log)."""
+    if jax.process_count() > 1:
+        # Requests reach this host only, while every process of a mesh must run the same steps.
+        raise ValueError(f"the server runs on one host; this process is one of {jax.process_count()} joined "
+                         "processes (tensor parallelism across hosts runs through apriel2-generate or LLM)")
     model_name = model_name or "apriel2"
     engine = EngineLoop(llm, max_queued_requests=max_queued_requests, metrics=ServerMetrics(), log=log)
     view = EngineView(model_name, llm.config.vocab_size, llm.max_model_len, tuple(llm.config.eos_token_ids),
