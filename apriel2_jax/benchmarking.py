@@ -179,8 +179,10 @@ def _device_order(process_name: str) -> tuple:
 
 
 _KINDS = (  # (kind, substrings of a GPU event name), first match wins
-    ("collective", ("nccl", "all-reduce", "all_reduce", "AllReduce", "all-gather", "all_gather", "AllGather",
-                    "reduce-scatter", "ReduceScatter")),
+    # XLA runs small all-reduces of a shard_map's psum as its own fusions (psum_*_fusion), larger ones through NCCL.
+    ("collective", ("nccl", "psum", "all-reduce", "all_reduce", "AllReduce", "all-gather", "all_gather",
+                    "AllGather", "reduce-scatter", "reduce_scatter", "ReduceScatter", "all-to-all",
+                    "collective-permute")),
     ("copy/memset", ("memcpy", "memset", "Memcpy", "Memset")),
     ("matmul", ("gemm", "gemv", "GEMM", "nvjet", "xmma", "cutlass", "cublas", "dot_")),
     ("attention", ("paged_attention", "attention")),

@@ -8,20 +8,9 @@ and gets the same (replicated) outputs; ``is_primary`` says which one writes the
 
 from __future__ import annotations
 
-import os
-
 
 class DistributedError(ValueError):
     """Bad or incomplete multi-process settings; the message names the flag or argument to fix."""
-
-
-# Variables under which jax.distributed.initialize() finds the coordinator, process count and index itself.
-_CLUSTER_ENVIRONMENTS = {"SLURM": "SLURM_JOB_ID", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
-
-
-def detected_cluster() -> str | None:
-    """The cluster manager whose environment ``jax.distributed.initialize()`` can read, if any."""
-    return next((name for name, variable in _CLUSTER_ENVIRONMENTS.items() if variable in os.environ), None)
 
 
 _SETTINGS = ("coordinator_address", "num_processes", "process_id")
@@ -29,8 +18,9 @@ _SETTINGS = ("coordinator_address", "num_processes", "process_id")
 
 def check_settings(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
                    names: dict[str, str] | None = None) -> None:
-    """Raise ``DistributedError`` unless the three settings are all given and consistent, or all absent under a
-    cluster manager that supplies them. ``names`` says how the caller spells each setting (command-line flags)."""
+    """Raise ``DistributedError`` unless the three settings are all given and consistent, or all absent (a
+    cluster manager, SLURM or Open MPI, supplies them). ``names`` says how the caller spells each setting
+    (command-line flags)."""
     name = {setting: (names or {}).get(setting, setting) for setting in _SETTINGS}
     values = dict(zip(_SETTINGS, (coordinator_address, num_processes, process_id)))
     missing = [name[setting] for setting, value in values.items() if value is None]
@@ -47,22 +37,29 @@ def check_settings(coordinator_address: str | None, num_processes: int | None, p
         if not 0 <= process_id < num_processes:
             raise DistributedError(f"{name['process_id']} must be in [0, {num_processes}) for "
                                    f"{name['num_processes']} {num_processes}, got {process_id}")
-    elif detected_cluster() is None:
-        raise DistributedError(f"no coordinator: give {every} (process 0's HOST:PORT, the number of processes, "
-                               f"this one's index), or run under SLURM or Open MPI")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, names: dict[str, str] | None = None) -> None:
     """Join this process to the others (``jax.distributed.initialize``). Call it before anything touches a
-    device. Without arguments, SLURM's or Open MPI's environment supplies them. CPU devices exchange their
-    collectives through gloo, so the same command also runs as several processes on one machine (tests)."""
+    device. Without arguments, SLURM's or Open MPI's environment supplies them (JAX then gives each task one
+    GPU: start one task per GPU). CPU devices exchange their collectives through gloo, so the same command also
+    runs as several processes on one machine (tests)."""
     check_settings(coordinator_address, num_processes, process_id, names)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    except (RuntimeError, ValueError) as err:  # no coordinator found, unreachable, port taken, devices in use
+        name = {setting: (names or {}).get(setting, setting) for setting in _SETTINGS}
+        where = (f"process {process_id} of {num_processes} at coordinator {coordinator_address}"
+                 if coordinator_address is not None else "from the cluster manager's environment")
+        raise DistributedError(
+            f"could not join the other processes ({where}): {str(err).rstrip('.')}. Every process must run the same command, "
+            f"with the same files, before anything else touches a device; without SLURM or Open MPI give "
+            f"{name['coordinator_address']}, {name['num_processes']} and {name['process_id']}") from None
 
 
 def agree_on_minimum(value: int, unit: int = 2**20) -> int:

@@ -344,7 +344,15 @@ def make_mesh(tp: int, devices: Sequence | None = None):
             f"tensor_parallel={tp} needs {tp} devices, but {len(devices)} are visible "
             f"({devices[0].platform if devices else 'none'}); on a CPU use "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} for virtual devices; across hosts, join the "
-            f"processes first (--coordinator-address/--num-processes/--process-id or --distributed)"
+            f"processes first (apriel2_jax.distributed.initialize)"
+        )
+    owners = {device.process_index for device in devices[:tp]}
+    if len(owners) < jax.process_count():
+        # A joined process with no device in the mesh would wait forever in the others' collectives.
+        raise ShardingError(
+            f"tensor_parallel={tp} takes the devices of process(es) {sorted(owners)} only, but {jax.process_count()} "
+            f"processes are joined and each must hold a share of the mesh: use tensor_parallel={len(devices)} "
+            f"(every device) or fewer processes"
         )
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
 

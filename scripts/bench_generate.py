@@ -116,8 +116,8 @@ def main(argv=None) -> int:
                     help="prefill with the engine's default token budget, chunk and rows (ignores the three flags)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--warm-up", choices=("few", "all", "none"), default=None,
-                    help="the engine's start-up compilation (default: LLM's); none compiles the measured shapes on "
-                    "their first, untimed run")
+                    help="the engine's start-up compilation in the decode/prefill runs (default: LLM's); none "
+                    "compiles the measured shapes on their first, untimed run")
     ap.add_argument("--capacity", action="store_true",
                     help="decode as many requests as the cache holds (see above) instead of --batch")
     ap.add_argument("--shared-prefix", type=int, default=None, metavar="N",

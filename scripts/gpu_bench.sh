@@ -61,8 +61,9 @@ elif [ "$part" = tp_parity ]; then
   logs="$out/tp_parity_logs"; mkdir -p "$logs"
   for tp in $tps; do
     for case in "$goldens"/*/; do
-      timeout 400 env PYTHONUNBUFFERED=1 python3 scripts/check_parity.py "$case" --tensor-parallel "$tp" \
-        > "$logs/parity_tp${tp}_$(basename "$case").log" 2>&1 &
+      log="$logs/parity_tp${tp}_$(basename "$case").log"
+      (timeout 400 env PYTHONUNBUFFERED=1 python3 scripts/check_parity.py "$case" --tensor-parallel "$tp" > "$log" 2>&1
+       echo "rc=$?" >> "$log") &
     done
   done
   timeout 400 env PYTHONUNBUFFERED=1 APRIEL2_GOLDENS="$goldens" python3 -m pytest -q -p no:cacheprovider \
@@ -70,7 +71,7 @@ elif [ "$part" = tp_parity ]; then
     > "$logs/tp_tests.log" 2>&1 &
   wait
   for log in "$logs"/parity_*.log; do
-    echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
+    echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback|^error:' "$log") failed, $(tail -1 "$log")"
   done
   echo "tp_tests: $(tail -1 "$logs/tp_tests.log")"
   tar czf "$out/tp_parity_logs.tgz" -C "$out" tp_parity_logs && rm -rf "$logs"

@@ -57,4 +57,4 @@ def test_device_intervals_reads_one_device_of_a_tensor_parallel_trace():
     b = step_breakdown(intervals, steps=1)
     assert b["span_us"] == 8.0 and b["idle_us"] == 2.0
     assert b["kinds_us"] == {"matmul": 4.0, "collective": 2.0}
-    assert kernel_kind("all-reduce-start.3") == "collective"
+    assert kernel_kind("all-reduce-start.3") == "collective" and kernel_kind("psum_884_0_fusion_1") == "collective"

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -18,9 +19,7 @@ from tests.conftest import GOLDENS, REPO
 CASE = os.path.join(GOLDENS, "hybrid_all_mixers")  # every mixer kind in one model
 
 
-def test_settings_must_be_complete_and_consistent(monkeypatch):
-    for variable in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(variable, raising=False)
+def test_settings_must_be_complete_and_consistent():
     check_settings("host0:1234", 2, 1)
     with pytest.raises(DistributedError, match="missing num_processes, process_id"):
         check_settings("host0:1234", None, None)
@@ -28,10 +27,17 @@ def test_settings_must_be_complete_and_consistent(monkeypatch):
         check_settings("host0", 2, 0)
     with pytest.raises(DistributedError, match=r"process_id must be in \[0, 2\).*got 2"):
         check_settings("host0:1234", 2, 2)
-    with pytest.raises(DistributedError, match="no coordinator"):
-        check_settings(None, None, None)
-    monkeypatch.setenv("SLURM_JOB_ID", "7")  # the cluster manager supplies them
-    check_settings(None, None, None)
+    check_settings(None, None, None)  # a cluster manager supplies them (initialize says so if none does)
+
+
+def test_no_cluster_manager_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "apriel2_jax.cli.check_parity", CASE, "--distributed",
+                           "--tensor-parallel", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "could not join the other processes (from the cluster manager's environment)" in done.stderr
+    assert "give --coordinator-address, --num-processes and --process-id" in done.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "check_parity"])
@@ -59,22 +65,34 @@ def _without_gloo(stdout: str) -> str:
 
 def _run_processes(args, processes: int = 2, devices: int = 2, timeout: float = 600) -> list[tuple[int, str, str]]:
     """Run ``python args...`` as ``processes`` joined processes of ``devices`` CPU devices each: (exit code,
-    stdout, stderr) per process."""
-    port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=REPO)
-    running = [
-        subprocess.Popen([sys.executable, *args, "--coordinator-address", f"127.0.0.1:{port}",
-                          "--num-processes", str(processes), "--process-id", str(i)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(processes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in running]
-        return [(p.returncode, _without_gloo(out), err) for p, (out, err) in zip(running, outputs)]
-    finally:
-        for p in running:
-            if p.poll() is None:
-                p.kill()
+    stdout, stderr) per process. Output goes to files (a full pipe would block a process inside a collective);
+    a coordinator port taken between choosing and binding it is retried."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=REPO,
+               JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as logs:
+        for _ in range(3):
+            port = _free_port()
+            running = []
+            for i in range(processes):
+                out = open(os.path.join(logs, f"{i}.out"), "w+")
+                err = open(os.path.join(logs, f"{i}.err"), "w+")
+                command = [sys.executable, *args, "--coordinator-address", f"127.0.0.1:{port}",
+                           "--num-processes", str(processes), "--process-id", str(i)]
+                running.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err), out, err))
+            results = []
+            try:
+                for process, out, err in running:
+                    process.wait(timeout=timeout)
+                    out.seek(0), err.seek(0)
+                    results.append((process.returncode, _without_gloo(out.read()), err.read()))
+            finally:
+                for process, out, err in running:
+                    if process.poll() is None:
+                        process.kill()
+                    out.close(), err.close()
+            if not any("ddress already in use" in err for _, _, err in results):
+                return results
+    return results
 
 
 def test_parity_across_two_processes():
@@ -109,13 +127,26 @@ def test_generate_from_a_converted_checkpoint_across_two_processes(tmp_path):
     assert out1 == ""
 
 
-def test_processes_agree_on_the_smallest_budget():
-    """Each host sizes the caches from its own free memory; the processes must build the same shapes."""
-    script = ("import sys, jax; from apriel2_jax.distributed import initialize, agree_on_minimum; "
-              "a = sys.argv[1:]; initialize(a[1], int(a[3]), int(a[5])); "
-              "print(agree_on_minimum((5 - jax.process_index()) * 2**30 + 12345))")
+def test_processes_agree_on_the_smallest_cache_budget():
+    """Each host sizes the caches from its own free memory (here patched to differ); the processes must build the
+    same shapes, so every one takes the smallest budget."""
+    script = ("import sys, jax; from apriel2_jax.distributed import initialize; a = sys.argv[1:]; "
+              "initialize(a[1], int(a[3]), int(a[5])); from apriel2_jax.engine.llm import LLM; "
+              "LLM._local_budget = staticmethod(lambda devices, fraction: (5 - jax.process_index()) * 2**26 + 12345); "
+              f"llm = LLM({CASE!r}, tensor_parallel=2, dtype='float32', max_num_seqs=2, max_model_len=32, "
+              "page_size=4, warm_up='none', log=lambda msg: None); print(llm._cache_bytes)")
     results = _run_processes(["-c", script], devices=1)
-    assert [(code, out.strip()) for code, out, _ in results] == [(0, str(4 * 2**30))] * 2, results
+    assert [(code, out.strip()) for code, out, _ in results] == [(0, str(4 * 2**26))] * 2, results
+
+
+def test_a_mesh_must_span_every_process():
+    """A joined process without a share of the mesh would wait forever in the others' collectives: an error on
+    every process instead, as when the model is not split at all."""
+    for extra, message in ((["--tensor-parallel", "2"], "takes the devices of process(es) [0] only"),
+                           ([], "2 processes are joined: give --tensor-parallel")):
+        results = _run_processes(["-m", "apriel2_jax.cli.check_parity", CASE, *extra])
+        for code, out, err in results:
+            assert code == 2 and out == "" and message in err, err[-2000:]
 
 
 def test_kv_connector_is_refused_across_processes():

@@ -26,10 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     try:  # several processes run this same command over one mesh; process 0 prints the table
-        primary = not join_processes(args) or jax.process_index() == 0
+        joined = join_processes(args)
+        if joined and args.tensor_parallel is None:
+            raise ValueError(f"{jax.process_count()} processes are joined: give --tensor-parallel to split the "
+                             f"model over them (every device: {jax.device_count()})")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from ..distributed import is_primary
+
+    primary = not joined or is_primary()
 
     if args.dtype == "float32":
         # On GPUs XLA would otherwise run fp32 matmuls in TF32, which is far outside the 1e-3 budget.

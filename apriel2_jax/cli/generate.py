@@ -326,6 +326,7 @@ def _run(args) -> int:
     import jax
 
     from ..config import ConfigError, load_config
+    from ..distributed import is_primary
     from ..placement import PlacementError, load_placements, resolve_placement
     from ..safetensors_io import CheckpointError
     from ..engine.cache_layout import CacheConfigError
@@ -393,13 +394,13 @@ def _run(args) -> int:
                 )
 
         # Several processes run this same command, each on its own devices of one mesh; process 0 writes.
-        primary = not join_processes(args) or jax.process_index() == 0
+        primary = not join_processes(args) or is_primary()
         # float32: on GPUs XLA would otherwise run fp32 matmuls in TF32. Scoped, so that in-process callers keep
         # their own setting; every step is compiled inside this block (warm-up or first use).
         precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
         with precision, (contextlib.nullcontext(sys.stdout) if primary else open(os.devnull, "w")) as stdout:
             outputs, wall, llm = _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids,
-                                           params, stdout)
+                                           params, stdout, quiet=not primary)
     except UsageError:
         raise
     except errors as err:  # TokenizerNotFound is a FileNotFoundError
@@ -416,13 +417,13 @@ def _run(args) -> int:
     return 0
 
 
-def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids, params, stdout):
+def _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids, params, stdout, quiet=False):
     """Build the engine and run every prompt, printing to ``stdout`` as requests progress; returns (outputs,
-    seconds, llm)."""
+    seconds, llm). ``quiet``: no engine log (another process of a joined run logs for all of them)."""
     from ..engine.llm import LLM
 
     llm = LLM(directory, placement=placement, placements=named or None, seed=engine_seed, tokenizer=tokenizer,
-              **engine_kwargs(args))
+              log=(lambda msg: None) if quiet else None, **engine_kwargs(args))
 
     outputs = []
     single = len(prompt_ids) == 1 and not args.json

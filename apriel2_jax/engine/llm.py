@@ -34,6 +34,7 @@ from ..compilation_cache import enable_compilation_cache
 from ..distributed import agree_on_minimum
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
+from ..sharding import ShardingError
 from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
 from .cache_manager import CacheManager
@@ -167,6 +168,14 @@ class LLM:
             warm_up = "all" if warm_up else "none"
         if warm_up not in WARM_UP_CHOICES:
             raise ValueError(f"warm_up must be one of {WARM_UP_CHOICES}, got {warm_up!r}")
+        if jax.process_count() > 1:  # several joined processes (hosts) run the same steps of one mesh
+            if kv_connector is not None:  # a load ends when its own host's store answers
+                raise CacheConfigError(f"kv_connector is not supported across several processes "
+                                       f"({jax.process_count()} joined): each host's loads would finish at other "
+                                       "steps and the processes' schedules would part; run without it")
+            if tensor_parallel == 1 and not isinstance(model, ShardedModel):
+                raise ShardingError(f"{jax.process_count()} processes are joined, but the model is not split over "
+                                    f"them: give tensor_parallel (every device: {jax.device_count()})")
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache)
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         if model is None:
@@ -215,11 +224,6 @@ class LLM:
         if kv_connector is not None and not self.enable_prefix_caching:
             raise CacheConfigError("kv_connector needs enable_prefix_caching=True: the connector stores prefixes "
                                    "under their prefix-cache hashes")
-        if kv_connector is not None and jax.process_count() > 1:
-            # Every process must schedule the same steps; a load ends when its own host's store answers.
-            raise CacheConfigError(f"kv_connector is not supported across several processes ({jax.process_count()} "
-                                   "joined): each host's loads would finish at other steps and the processes' "
-                                   "schedules would part; run without it")
         self.snapshot_memory_fraction = snapshot_memory_fraction
         self.page_size = page_size
         self.seed = seed
@@ -281,15 +285,22 @@ class LLM:
         if isinstance(self.model, ShardedModel):  # this process's devices (a mesh may span hosts)
             devices = [d for d in self.model.mesh.devices.flat if d.process_index == jax.process_index()]
         else:
-            devices = jax.devices()[:1]
+            devices = jax.local_devices()[:1]
+        # Several processes (hosts) must size one mesh's caches alike: the smallest budget of any.
+        return agree_on_minimum(self._local_budget(devices, fraction))
+
+    @staticmethod
+    def _local_budget(devices, fraction: float) -> int:
+        """Cache bytes per device that ``devices`` can all hold (tensor parallel: every device holds its share of
+        every page, so the tightest rules)."""
         budgets = []
-        for device in devices:  # tensor parallel: every device holds its share of every page; the tightest rules
+        for device in devices:
             stats = device.memory_stats() or {}
             limit = stats.get("bytes_limit")
             if not limit:
                 return DEFAULT_CPU_CACHE_BYTES  # CPU: no device memory figure; use a fixed budget
             budgets.append(max(0, int(limit * fraction) - int(stats.get("bytes_in_use", 0))))
-        return agree_on_minimum(min(budgets))  # several processes (hosts) must size one mesh's caches alike
+        return min(budgets)
 
     def set_placement(self, placement: PlacementSpec = None) -> None:
         """Run the supernet with another placement. Clears the caches (no request may be in flight); compiled
