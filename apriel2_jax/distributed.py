@@ -16,12 +16,17 @@ class DistributedError(ValueError):
 _SETTINGS = ("coordinator_address", "num_processes", "process_id")
 
 
+def _spelled(names: dict[str, str] | None) -> dict[str, str]:
+    """How the caller spells each setting in messages (command-line flags), else its own name."""
+    return {setting: (names or {}).get(setting, setting) for setting in _SETTINGS}
+
+
 def check_settings(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
                    names: dict[str, str] | None = None) -> None:
     """Raise ``DistributedError`` unless the three settings are all given and consistent, or all absent (a
     cluster manager, SLURM or Open MPI, supplies them). ``names`` says how the caller spells each setting
     (command-line flags)."""
-    name = {setting: (names or {}).get(setting, setting) for setting in _SETTINGS}
+    name = _spelled(names)
     values = dict(zip(_SETTINGS, (coordinator_address, num_processes, process_id)))
     missing = [name[setting] for setting, value in values.items() if value is None]
     every = f"{name['coordinator_address']}, {name['num_processes']} and {name['process_id']}"
@@ -53,13 +58,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                    process_id=process_id)
     except (RuntimeError, ValueError) as err:  # no coordinator found, unreachable, port taken, devices in use
-        name = {setting: (names or {}).get(setting, setting) for setting in _SETTINGS}
+        name = _spelled(names)
         where = (f"process {process_id} of {num_processes} at coordinator {coordinator_address}"
                  if coordinator_address is not None else "from the cluster manager's environment")
         raise DistributedError(
-            f"could not join the other processes ({where}): {str(err).rstrip('.')}. Every process must run the same command, "
-            f"with the same files, before anything else touches a device; without SLURM or Open MPI give "
-            f"{name['coordinator_address']}, {name['num_processes']} and {name['process_id']}") from None
+            f"could not join the other processes ({where}): {str(err).rstrip('.')}. Every process must run the "
+            f"same command, with the same files, before anything else touches a device; without SLURM or Open MPI "
+            f"give {name['coordinator_address']}, {name['num_processes']} and {name['process_id']}") from None
 
 
 def agree_on_minimum(value: int, unit: int = 2**20) -> int:

@@ -60,7 +60,8 @@ def _free_port() -> int:
 def _without_gloo(stdout: str) -> str:
     """Gloo (the CPU collectives) announces its connections on stdout from C++ threads, whose lines may
     interleave; not the command's output."""
-    return "".join(line for line in stdout.splitlines(keepends=True) if "[Gloo]" not in line and "peer ranks" not in line)
+    lines = stdout.splitlines(keepends=True)
+    return "".join(line for line in lines if "[Gloo]" not in line and "peer ranks" not in line)
 
 
 def _run_processes(args, processes: int = 2, devices: int = 2, timeout: float = 600) -> list[tuple[int, str, str]]:
