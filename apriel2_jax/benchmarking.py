@@ -159,10 +159,12 @@ def device_intervals(events) -> list[tuple[str, float, float]]:
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = sorted((name for name in processes.values() if name.startswith("/device:")), key=_device_order)
-    processes = {pid: name for pid, name in processes.items() if devices and name == devices[0]}
     threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    streams = {pid for (pid, _), name in threads.items() if name.startswith("Stream")}
+    devices = sorted((name for pid, name in processes.items() if name.startswith("/device:") and pid in streams),
+                     key=_device_order)
+    processes = {pid: name for pid, name in processes.items() if devices and name == devices[0]}
     out = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:

@@ -181,6 +181,9 @@ def main(argv=None) -> int:
                 rows += run(args, raw, resolve_placement(supernet, name, named), name, bandwidth, tp)
         if args.dispatch_cost:
             rows += launch_cost_rows()
+    except BaseException as err:
+        print(f"stopped after {len(rows)} rows (printed below): {type(err).__name__}: {err}", file=sys.stderr)
+        raise
     finally:  # a run that fails (out of memory, too few devices) keeps the rows measured before it
         if args.capacity:
             for row in rows:

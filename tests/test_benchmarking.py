@@ -47,7 +47,7 @@ def test_device_intervals_reads_one_device_of_a_tensor_parallel_trace():
     from apriel2_jax.benchmarking import device_intervals, kernel_kind, step_breakdown
 
     events = (_meta(1, 7, "/device:GPU:10", "Stream #7(Compute)") + _meta(2, 7, "/device:GPU:0", "Stream #7(Compute)")
-              + _meta(3, 7, "/device:GPU:2", "Stream #7(Compute)"))
+              + _meta(3, 7, "/device:GPU:2", "Stream #7(Compute)") + _meta(4, 1, "/device:CPU:0", "Host"))
     events += [dict(ph="X", name="gemm_fusion_dot", pid=2, tid=7, ts=0.0, dur=4.0),
                dict(ph="X", name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", pid=2, tid=7, ts=6.0, dur=2.0),
                dict(ph="X", name="gemm_fusion_dot", pid=3, tid=7, ts=4.0, dur=2.0),
