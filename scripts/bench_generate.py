@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-chain-decode", dest="chain_decode", action="store_false",
                     help="read every decode dispatch before queueing the next (the engine's chaining off)")
+    ap.add_argument("--no-chain-prefill", dest="chain_prefill", action="store_false",
+                    help="read every prefill step before queueing the next (the engine's prefill chaining off)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="decode tokens per dispatch (default: the engine's)")
     ap.add_argument("--defaults", action="store_true",
@@ -235,6 +237,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     if args.decode_steps:
         engine["decode_steps"] = args.decode_steps
     engine["chain_decode"] = args.chain_decode
+    engine["chain_prefill"] = args.chain_prefill
     if args.warm_up:
         engine["warm_up"] = args.warm_up
     t0 = time.monotonic()
@@ -262,6 +265,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     prefill_wall = time.monotonic() - t0
     prefill_tps = llm.stats.prefill_tokens_per_second
     prefill_wall_tps = llm.stats.prefill_tokens / prefill_wall
+    prefill_chained = f"{llm.stats.chained_prefills}/{llm.stats.steps}"
     kind = next((k for k in PEAK_BF16_FLOPS if k in device.device_kind), None)
     decode_weights, prefill_weights = weight_counts(config, params)
     mfu = (2 * prefill_weights * prefill_tps / (devices * PEAK_BF16_FLOPS[kind])) if kind else float("nan")
@@ -310,6 +314,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             "context": args.prompt_len,
             "prefill_tok_s": round(prefill_tps, 1),
             "prefill_wall_tok_s": round(prefill_wall_tps, 1),
+            "prefill_chained": prefill_chained,
             "prefill_mfu": round(mfu, 4),
             "decode_tok_s": round(stats.decode_tokens_per_second, 1),
             "decode_wall_tok_s": round(stats.decode_tokens / wall, 1),

@@ -8,7 +8,8 @@
 # engine's defaults, start-up from a cold and a warm compilation cache, and the 15B capacity benchmark.
 # PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below);
 # "kv15b": time to first token of an 8K prefix loaded through the KV connector (host, disk) vs recomputed.
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
+# PART "prefill05b": prefill with the defaults, prefill steps chained against one at a time.
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -44,6 +45,26 @@ elif [ "$part" = engine05b ]; then
       --prompt-len 1024 --output-len 8 --prefill-batch 1 --json "$out/startup_$state.jsonl"
   done
   rm -rf "$out/xla_cache"
+elif [ "$part" = prefill05b ]; then
+  # Prefill with the engine's defaults, chained prefill steps (the default) against one step at a time, in
+  # alternating processes ($ROUNDS rounds, default 2); a table of prefill tok/s (device and wall) last.
+  configs=${CONFIGS:-../shared/configs}
+  gen="python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --defaults --batch 1 --prompt-len 1024
+    --output-len 2 --prefill-batch ${PREFILL_BATCH:-32}
+    --placement ${PLACEMENTS:-all-attention every2-kda a12-g1-k11 pure-gdn}"
+  for round in $(seq "${ROUNDS:-2}"); do
+    step prefill05b_chained_$round 240 $gen --json "$out/prefill05b_chained.jsonl"
+    step prefill05b_one_at_a_time_$round 240 $gen --no-chain-prefill --json "$out/prefill05b_one_at_a_time.jsonl"
+  done
+  python3 - "$out" <<'PY'
+import json, os, sys
+print(f"{'placement':<16} {'variant':<14} {'device tok/s':>13} {'wall tok/s':>11} {'chained':>8}")
+for variant in ("chained", "one_at_a_time"):
+    path = os.path.join(sys.argv[1], f"prefill05b_{variant}.jsonl")
+    for row in (json.loads(line) for line in open(path)) if os.path.exists(path) else ():
+        print(f"{row['placement']:<16} {variant:<14} {row['prefill_tok_s']:>13.0f} {row['prefill_wall_tok_s']:>11.0f} "
+              f"{row.get('prefill_chained', '-'):>8}")
+PY
 elif [ "$part" = engine15b ]; then
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
@@ -114,7 +135,7 @@ elif [ "$part" = kv15b ]; then
     --json "$out/kv_15b.jsonl"
   rm -rf "$out/kv_store"
 else
-  echo "PART must be prefill, others, engine05b, engine15b, tp_parity, tp_bench, prefix, prefix15b or kv15b, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b, prefill05b, engine15b, tp_parity, tp_bench, prefix, prefix15b or kv15b, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*

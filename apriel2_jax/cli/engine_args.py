@@ -85,6 +85,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="queue the next decode dispatch before reading the current one while no request can join "
                         "the decode batch, overlapping host work with the device (default on; --no-chain-decode: "
                         "one dispatch at a time)")
+    g.add_argument("--chain-prefill", action=argparse.BooleanOptionalAction, default=d.chain_prefill,
+                   help="queue the next prefill step before reading the current one while no request decodes, "
+                        "overlapping host work with the device (default on; --no-chain-prefill: one step at a "
+                        "time)")
     g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
     g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
                    help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")
@@ -154,6 +158,7 @@ def engine_kwargs(args) -> dict:
         max_prefill_rows=args.max_prefill_rows,
         decode_steps=args.decode_steps,
         chain_decode=args.chain_decode,
+        chain_prefill=args.chain_prefill,
         page_size=args.page_size,
         cache_memory_fraction=args.cache_memory_fraction,
         enable_prefix_caching=args.prefix_caching,

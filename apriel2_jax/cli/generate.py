@@ -274,7 +274,8 @@ def summary_lines(llm, outputs, wall: float, warmed_up: bool) -> list[str]:
         f"prefill: {stats.prefill_tokens} tokens in {stats.prefill_seconds:.2f} s = "
         f"{stats.prefill_tokens_per_second:.1f} tokens/s; decode: {stats.decode_tokens} tokens in "
         f"{stats.decode_seconds:.2f} s = {stats.decode_tokens_per_second:.1f} tokens/s; {stats.steps} steps "
-        f"({stats.decode_dispatches} decode dispatches, {stats.chained_dispatches} chained)"
+        f"({stats.decode_dispatches} decode dispatches, {stats.chained_dispatches} chained; "
+        f"{stats.chained_prefills} prefill steps chained)"
         + ("" if warmed_up else " (compilation of shapes not warmed up included)"),
     ]
     usage = llm.cache_manager.usage()

@@ -22,6 +22,10 @@ class EngineDefaults:
     # Queue the next decode dispatch before reading the current one's results while no request can join the
     # decode batch, so the host's launch and token bookkeeping overlap the device's work (``LLM``, ``chain_decode``).
     chain_decode: bool = True
+    # Queue the next prefill step before reading the current one's results while no request decodes (a batch of
+    # prompts arriving together), so the host's scheduling, inputs and launch overlap the device's prefill
+    # (``LLM``, ``chain_prefill``).
+    chain_prefill: bool = True
     cache_memory_fraction: float = 0.85
     warm_up: str = "few"
     prefix_caching: bool = True

@@ -13,6 +13,11 @@ whole dispatches with stop conditions the device checks exactly, the next decode
 queued before the host reads the current one, taking each row's last token from it on the device (a row that
 stops there runs as padding, and leaves the batch at the dispatch after). The host then reads and appends a
 dispatch's tokens while the device runs the next, and the device never waits for the host between them.
+
+Prefill steps chain the same way while no request decodes (``chain_prefill``): a prefill step's tokens count as
+cached once it is queued (``Scheduler.complete``), so the next prefill step is scheduled and queued before the
+host reads the current one (``Scheduler.schedule_ahead``). The rows it samples from have nothing pending until
+their tokens are read, so no step feeds them before that.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class EngineStats:
     steps: int = 0  # dispatches
     decode_dispatches: int = 0
     chained_dispatches: int = 0  # decode dispatches queued before the host read the one before (``chain_decode``)
+    chained_prefills: int = 0  # prefill steps queued before the host read the one before (``chain_prefill``)
     decode_steps: int = 0  # device iterations of decode dispatches (one token per running row each)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -126,6 +132,7 @@ class LLM:
         page_size: int = DEFAULTS.page_size,
         decode_steps: int = DEFAULTS.decode_steps,
         chain_decode: bool = DEFAULTS.chain_decode,
+        chain_prefill: bool = DEFAULTS.chain_prefill,
         cache_memory_fraction: float = DEFAULTS.cache_memory_fraction,
         cache_bytes: int | None = None,
         num_state_slots: int | None = None,
@@ -147,7 +154,8 @@ class LLM:
         ``max_prefill_rows`` to ``max_num_seqs``. ``decode_steps``: tokens a decode dispatch may generate per
         sequence (a device loop with on-device stop checks; shorter while requests wait to be prefilled, see
         ``Scheduler.decode_cap``). ``chain_decode``: queue the next decode dispatch before reading the current
-        one while no request can join the decode batch (module docstring). ``warm_up``: which step shapes to
+        one while no request can join the decode batch; ``chain_prefill``: queue the next prefill step before
+        reading the current one while no request decodes (module docstring). ``warm_up``: which step shapes to
         compile before serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the
         others compile when first needed. ``compilation_cache``: directory of the persistent compilation cache
         (None: the per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
@@ -231,7 +239,8 @@ class LLM:
         self.buckets = buckets or Buckets.default(max_num_seqs, max_prefill_rows, max_chunk, max_num_batched_tokens)
         self.decode_steps = decode_steps
         self.chain_decode = bool(chain_decode)
-        self._in_flight: _Dispatch | None = None  # a chained decode dispatch the host has not read yet
+        self.chain_prefill = bool(chain_prefill)
+        self._in_flight: _Dispatch | None = None  # a chained dispatch the host has not read yet
         # Seconds the caller has held control (between steps, consuming events), and when that last ended; with
         # when the host last read a dispatch's results (and the first figure then), for device-time accounting.
         self._outside, self._left_at = 0.0, time.monotonic()
@@ -506,10 +515,18 @@ class LLM:
                 self.kv_connector.wait(0.05)
                 return
             raise RuntimeError("the scheduler has waiting requests but can run nothing; this is a bug")
+        dispatch = self._launch(step)
+        if dispatch is not None:
+            yield from self._finish(dispatch)
+
+    def _launch(self, step: ScheduledStep) -> "_Dispatch | None":
+        """Queue a scheduled step on the device (None for a step without rows). A prefill step counts as done
+        once queued: its tokens are cached for whatever is queued after it, and its completed pages are saved to
+        the connector from there."""
         self.stats.preemptions += len(step.preempted)
         self._apply_copies()  # before the step, and before a load writes into a slot a restore targets
         if not step.rows:
-            return
+            return None
         shape = self.buckets.pick(step.kind, len(step.rows), max(r.length for r in step.rows))
         decode = step.kind == "decode"
         inputs = build_inputs(step, shape, self.cache_manager, [r.budget for r in step.rows], self.config.eos_token_ids)
@@ -521,15 +538,24 @@ class LLM:
         launched = time.monotonic()
         packed, self._cache = self.runner.run(self._cache, inputs, self.placement, self.decode_steps if decode else 1,
                                               stop_checks=not unchecked)
-        yield from self._finish(_Dispatch(step, shape, packed, launched, self._outside, unchecked))
+        if not decode:
+            self.scheduler.complete(step)
+            if self.kv_connector is not None:
+                self._save_prefill(step)
+        return _Dispatch(step, shape, packed, launched, self._outside, unchecked)
 
     def _finish(self, dispatch: "_Dispatch") -> Iterator[StreamEvent]:
-        """Read a dispatch's results and hand out its tokens; first chain the next decode dispatch onto it when
-        nothing the results could say would change that dispatch."""
+        """Read a dispatch's results and hand out its tokens; first chain the next decode dispatch (or prefill
+        step) onto it when nothing the results could say would change that dispatch."""
         step = dispatch.step
         decode = step.kind == "decode"
         if dispatch.unchecked:
             self._in_flight = self._chain(dispatch)
+        elif not decode and self.chain_prefill:
+            ahead = self.scheduler.schedule_ahead()
+            if ahead is not None:
+                self._in_flight = self._launch(ahead)
+                self.stats.chained_prefills += 1
         if self.prefix_cache is not None:
             # Host work for the next admissions while the device runs this step. It sits inside the step timer,
             # which it lengthens only where hashing outlasts the step (each request is hashed once).
@@ -565,9 +591,8 @@ class LLM:
             self.stats.prefill_seconds += elapsed
         for family, (used, _) in self.cache_manager.usage().items():
             self.stats.peak_usage[family] = max(self.stats.peak_usage.get(family, 0), used)
-        self.scheduler.complete(step, fed)
-        if self.kv_connector is not None and not decode:
-            self._save_prefill(step)
+        if decode:  # a prefill step was completed when it was queued
+            self.scheduler.complete(step, fed)
         now = time.monotonic()
         for i, row in live:
             if row.samples:

@@ -225,10 +225,13 @@ class Scheduler:
         self.waiting.appendleft(request)
         return request
 
-    def _allocate(self, request: Request, length: int, preempted: list[Request]) -> bool:
+    def _allocate(self, request: Request, length: int, preempted: list[Request] | None) -> bool:
         """Pages and slot for the next ``length`` tokens of a running request. When a pool is short, the newest
-        running request is preempted, until the allocation fits or the requester itself was the newest."""
+        running request is preempted, until the allocation fits or the requester itself was the newest
+        (``preempted`` None: nobody is preempted, the allocation fails)."""
         while not self.cache.try_allocate(request.request_id, request.num_computed, length):
+            if preempted is None:
+                return False
             victim = self._preempt_newest()
             preempted.append(victim)
             if victim is request:
@@ -237,8 +240,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run."""
-        has_decode = any(r.pending == 1 for r in self.running)
-        has_prefill = bool(self.waiting) or any(r.pending > 1 for r in self.running)
+        has_decode, has_prefill = self._has_work_of_each_kind()
         first_decode = has_decode and (not has_prefill or self._last_kind == "prefill")
         preempted: list[Request] = []
         for kind in ("decode", "prefill") if first_decode else ("prefill", "decode"):
@@ -249,6 +251,32 @@ class Scheduler:
                 self._last_kind = kind
                 return ScheduledStep(kind, tuple(rows), tuple(preempted))
         return ScheduledStep("idle", (), tuple(preempted)) if preempted else None
+
+    def schedule_ahead(self) -> ScheduledStep | None:
+        """A prefill step to queue on the device behind one whose results the host has not read yet (the
+        caller has already ``complete``d it: its tokens count as cached), or None.
+
+        Only prefill work is scheduled ahead, and only while no request decodes: a prefill step's own results
+        change nothing another prefill step feeds, but the rows it samples from decode only once their tokens
+        are read (until then their ``pending`` is 0, so neither kind schedules them), and with decoding rows
+        the kinds alternate as in :meth:`schedule`. Nobody is preempted: a request that the unread step is
+        about to finish may free the pages a preemption would take. A prefill that admits nothing says nothing
+        about whether the waiting requests are blocked (slots the unread step's requests hold may free)."""
+        has_decode, has_prefill = self._has_work_of_each_kind()
+        if has_decode or not has_prefill:
+            return None
+        blocked = self._prefill_blocked
+        rows = self._schedule_prefill(None)
+        self._prefill_blocked = blocked
+        if not rows:
+            return None
+        self._last_kind = "prefill"
+        return ScheduledStep("prefill", tuple(rows), ())
+
+    def _has_work_of_each_kind(self) -> tuple[bool, bool]:
+        has_decode = any(r.pending == 1 for r in self.running)
+        has_prefill = bool(self.waiting) or any(r.pending > 1 for r in self.running)
+        return has_decode, has_prefill
 
     def tokens_left(self, request: Request) -> int:
         """Tokens ``request`` may still generate: up to ``max_new_tokens`` and the context limit."""
@@ -293,7 +321,9 @@ class Scheduler:
                     rows.append(ScheduledRow(request, request.num_computed, 1, True, budget))
         return [row for row in rows if row.request.status is RequestStatus.RUNNING]
 
-    def _schedule_prefill(self, preempted: list[Request]) -> list[ScheduledRow]:
+    def _schedule_prefill(self, preempted: list[Request] | None) -> list[ScheduledRow]:
+        """Prefill rows under the token budget: running requests' next chunks first, then admissions.
+        ``preempted`` None: no preemption; the first running request whose pages are short ends the rows."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         rows: list[ScheduledRow] = []
@@ -314,6 +344,8 @@ class Scheduler:
                 if self._allocate(request, length, preempted):
                     budget -= length
                     rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
+                elif preempted is None:
+                    break
         while self.waiting and len(rows) < cfg.max_prefill_rows and budget > 0:
             if self.num_admitted >= cfg.max_num_seqs:
                 break

@@ -254,6 +254,56 @@ def test_chained_decode_dispatches_give_the_same_tokens_as_one_at_a_time(hybrid)
     assert all(used == 0 for used, _ in chained.cache_manager.usage().values())
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chained_prefill_steps_give_the_same_tokens_as_one_at_a_time(hybrid, prefix_caching):
+    """Prompts arriving together prefill in steps each queued before the host reads the one before: the same
+    tokens and log-probabilities as one step at a time, for greedy and seeded sampling, requests that end at
+    their prefill's sample, chunked prompts, more prompts than slots, and (with prefix caching) a repeated
+    prompt whose prefix is computed by a step not read yet."""
+    case = hybrid[0]
+    rng = np.random.default_rng(4)
+    prompts = _prompts(case) + [[int(t) for t in rng.integers(3, 100, size=n)] for n in (3, 14, 9, 5)]
+    prompts.append(prompts[0])
+    params = [GREEDY,
+              SamplingParams(temperature=0.9, top_k=7, seed=5, max_new_tokens=1, logprobs=True),
+              SamplingParams.greedy(max_new_tokens=1, logprobs=True),
+              SamplingParams(temperature=1.1, seed=9, max_new_tokens=5, ignore_eos=True, logprobs=True),
+              SamplingParams.greedy(max_new_tokens=1),
+              SamplingParams.greedy(max_new_tokens=3, ignore_eos=True),
+              GREEDY]
+    plain = _engine(hybrid, chain_prefill=False, enable_prefix_caching=prefix_caching)
+    expected = plain.generate(prompts, params)
+    chained = _engine(hybrid, enable_prefix_caching=prefix_caching)
+    got = chained.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
+        if e.logprobs is not None:
+            np.testing.assert_allclose(g.logprobs, e.logprobs, rtol=1e-5)
+    assert got[0].token_ids == case.greedy_ids["mamba"][0].tolist()
+    assert got[-1].token_ids == got[0].token_ids
+    assert plain.stats.chained_prefills == 0 and chained.stats.chained_prefills > 0
+    assert chained._in_flight is None and all(used == 0 for used, _ in chained.cache_manager.usage().values())
+
+
+def test_an_abort_while_a_chained_prefill_step_is_queued_frees_its_pages(hybrid):
+    """The incremental API aborts a request whose next prefill chunk is queued but not read: the other
+    request's tokens are unchanged and nothing stays allocated."""
+    case = hybrid[0]
+    prompts = _prompts(case)
+    params = SamplingParams.greedy(max_new_tokens=4, ignore_eos=True)
+    expected = _engine(hybrid, chain_prefill=False).generate(prompts[:1], params)[0].token_ids
+    llm = _engine(hybrid, max_num_batched_tokens=8, max_chunk=4)  # 4-token chunks of both prompts per step
+    keep, doomed = llm.add_request(prompts[0], params), llm.add_request(prompts[1], params)
+    events = llm.step()
+    assert llm._in_flight is not None and llm._in_flight.step.kind == "prefill" and not events
+    assert llm.abort(doomed)
+    while llm.has_unfinished_requests:
+        events += llm.step()
+    assert [e.output.token_ids for e in events if e.finished] == [expected]
+    assert llm.stats.chained_prefills > 0
+    assert all(used == 0 for used, _ in llm.cache_manager.usage().values())
+
+
 def test_a_stop_inside_a_dispatch_drops_the_chained_one_and_frees_its_pages(hybrid):
     """One request alone chains every dispatch; when it stops at a stop id, the dispatch already queued behind the
     stop runs its row as padding and its results are dropped: the output ends at the stop, nothing stays

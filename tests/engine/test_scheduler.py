@@ -1,5 +1,6 @@
 """Scheduler + cache manager on the host alone (no model): random traffic keeps every invariant."""
 
+import dataclasses
 import random
 
 from hypothesis import HealthCheck, example, given, settings
@@ -79,13 +80,16 @@ def _check_copies(scheduler, saves, restores):
     assert len({d for _, d in restores}) == len(restores)
 
 
-def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
-    """``prefixes``: token lists that prompts start with, half of the time."""
+def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=(), ahead=False):
+    """``prefixes``: token lists that prompts start with, half of the time. ``ahead``: as the engine chains
+    prefill steps, each prefill step is followed by ``schedule_ahead`` before its sampled tokens are appended
+    (that step then runs next, already completed)."""
     next_id = 0
     live = {}
     steps_run = 0
     last_progress = 0
-    while steps_run < steps or scheduler.has_work:
+    queued = None  # a step scheduled ahead and completed, whose tokens are not appended yet
+    while steps_run < steps or scheduler.has_work or queued is not None:
         arriving = steps_run < steps
         # Offered load stays bounded so that the run measures scheduling, not an ever-growing queue.
         if arriving and len(scheduler.waiting) < 2 * scheduler.config.max_num_seqs and rng.random() < arrival_rate:
@@ -103,21 +107,35 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
             scheduler.abort(victim)
             del live[victim]
             last_progress = steps_run  # the victim's work is discarded: the guard's count restarts
-        step = scheduler.schedule()
         steps_run += 1
-        if step is None:
-            assert not scheduler.running and not scheduler.waiting
-            last_progress = steps_run  # idle: nothing waits for progress
-            continue
-        _check_step(scheduler, step)
-        if scheduler.prefix is not None:
-            _check_copies(scheduler, *scheduler.prefix.take_copies())
-        # A decode row may stop anywhere within its budget (a stop token on the device).
-        fed = {row.request: rng.randint(1, row.budget) for row in step.rows if step.kind == "decode"}
-        scheduler.complete(step, fed)
+        if queued is not None:
+            step, queued, fed = queued, None, {}
+        else:
+            step = scheduler.schedule()
+            if step is None:
+                assert not scheduler.running and not scheduler.waiting
+                last_progress = steps_run  # idle: nothing waits for progress
+                continue
+            _check_step(scheduler, step)
+            if scheduler.prefix is not None:
+                _check_copies(scheduler, *scheduler.prefix.take_copies())
+            # A decode row may stop anywhere within its budget (a stop token on the device).
+            fed = {row.request: rng.randint(1, row.budget) for row in step.rows if step.kind == "decode"}
+            scheduler.complete(step, fed)
+        if ahead and step.kind == "prefill":
+            queued = scheduler.schedule_ahead()
+            if queued is not None:
+                _check_step(scheduler, queued)
+                assert queued.kind == "prefill" and not queued.preempted
+                sampling = {row.request for row in step.rows if row.samples}
+                assert not sampling & {row.request for row in queued.rows}, "a row fed before its token is read"
+                if scheduler.prefix is not None:
+                    _check_copies(scheduler, *scheduler.prefix.take_copies())
+                scheduler.complete(queued)
+                scheduler.check_invariants()
         for row in step.rows:
             request = row.request
-            if not row.samples:
+            if not row.samples or request.status is not RequestStatus.RUNNING:  # aborted while queued
                 continue
             last_progress = steps_run
             for _ in range(fed.get(request, 1)):
@@ -146,23 +164,25 @@ def _simulate(scheduler, rng, steps, arrival_rate, abort_rate, prefixes=()):
     decode_steps=st.integers(1, 5),
     padded=st.booleans(),
     snapshots=st.one_of(st.none(), st.integers(0, 6)),
+    ahead=st.booleans(),
 )
 # One slot, one-token chunks and frequent aborts: long stretches with no token sampled that are not a livelock.
 @example(seed=126564, page_size=1, max_num_seqs=1, budget=4, chunk_fraction=0.25, window=1, extra_pages=0,
-         arrival_rate=0.109375, abort_rate=0.09765625, decode_steps=1, padded=False, snapshots=None)
+         arrival_rate=0.109375, abort_rate=0.09765625, decode_steps=1, padded=False, snapshots=None, ahead=False)
 def test_random_traffic_keeps_every_invariant(
     seed, page_size, max_num_seqs, budget, chunk_fraction, window, extra_pages, arrival_rate, abort_rate,
-    decode_steps, padded, snapshots,
+    decode_steps, padded, snapshots, ahead,
 ):
     """Prompts share prefixes half of the time; ``snapshots`` None runs without prefix caching, else with a
-    snapshot pool that small. After every step: refcounts equal table references and published pages are held
-    only at their own prefix's index; after draining, nothing is referenced anywhere."""
+    snapshot pool that small; ``ahead``: prefill steps chained (scheduled before the previous one's tokens are
+    appended). After every step: refcounts equal table references and published pages are held only at their
+    own prefix's index; after draining, nothing is referenced anywhere."""
     chunk = max(1, int(budget * chunk_fraction))
     scheduler = _engine(page_size, max_num_seqs, budget, chunk, window, extra_pages, decode_steps,
                         _padded if padded else None, snapshots=snapshots)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(MAX_LEN // 2)] for _ in range(3)]
-    steps = _simulate(scheduler, rng, 500, arrival_rate, abort_rate, prefixes)
+    steps = _simulate(scheduler, rng, 500, arrival_rate, abort_rate, prefixes, ahead)
     assert steps >= 500
     # Everything finished or aborted: nothing in use anywhere.
     usage = scheduler.cache.usage()
@@ -323,3 +343,49 @@ def test_a_waiting_request_without_pages_does_not_shorten_dispatches():
     # The next attempt finds no pages for c: the dispatch runs to the first finish (15 tokens left each).
     assert _decode(scheduler) == {"a": 15, "b": 15}
     assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_prefill_scheduled_ahead_skips_rows_awaiting_their_token_and_stops_once_a_request_decodes():
+    """Behind a completed prefill step whose tokens are not read: the next prefill continues the prompts still
+    pending and admits new ones, never feeds a row waiting for its sampled token, and yields to decoding."""
+    scheduler = _engine(page_size=4, max_num_seqs=3, budget_tokens=12, chunk=8, window=40, extra_pages=40)
+    a = Request("a", list(range(4)), SamplingParams(max_new_tokens=5))
+    b = Request("b", list(range(20)), SamplingParams(max_new_tokens=5))
+    c = Request("c", list(range(6)), SamplingParams(max_new_tokens=5))
+    for request in (a, b, c):
+        scheduler.add(request)
+    first = scheduler.schedule()
+    assert [(row.request.request_id, row.length, row.samples) for row in first.rows] == [("a", 4, True),
+                                                                                          ("b", 8, False)]
+    scheduler.complete(first)
+    assert a.pending == 0  # its token is not read yet: neither kind may schedule it
+    ahead = scheduler.schedule_ahead()
+    assert [(row.request.request_id, row.start, row.length) for row in ahead.rows] == [("b", 8, 8), ("c", 0, 4)]
+    scheduler.complete(ahead)
+    a.output_ids.append(1)  # the first step's token read: a decodes, so nothing more is scheduled ahead
+    assert scheduler.schedule_ahead() is None
+    assert scheduler.schedule().kind == "decode"
+
+
+def test_prefill_scheduled_ahead_never_preempts():
+    """Pages short for the next chunk: ``schedule`` preempts the newest request, ``schedule_ahead`` schedules
+    nothing (the unread step may be about to finish a request and free its pages)."""
+    scheduler = _engine(page_size=4, max_num_seqs=3, budget_tokens=64, chunk=64, window=40, extra_pages=0)
+    old = Request("old", list(range(40)), SamplingParams(max_new_tokens=1))
+    scheduler.add(old)
+    step = scheduler.schedule()
+    scheduler.complete(step)
+    # 24 pages of 4 tokens: "old" holds 10; a 60-token prompt's first chunk of 56 fits.
+    new = Request("new", list(range(60)), SamplingParams(max_new_tokens=1))
+    scheduler.add(new)
+    scheduler.config = dataclasses.replace(scheduler.config, max_chunk=56)
+    step = scheduler.schedule_ahead()
+    assert [row.request.request_id for row in step.rows] == ["new"] and step.rows[0].length == 56
+    scheduler.complete(step)
+    # "old" still waits for its token (the first step is unread), holding its 10 pages; new's last 4 tokens need a
+    # 25th page.
+    assert old.pending == 0 and new.pending == 4
+    assert scheduler.schedule_ahead() is None
+    assert old.status is new.status is RequestStatus.RUNNING and not old.preemptions and not new.preemptions
+    scheduler.check_invariants()
+    assert [r.request_id for r in scheduler.schedule().preempted] == ["new"]  # what scheduling now would do
