@@ -392,8 +392,13 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return list(self.tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        array = np.asarray(prompt)
+        if array.ndim == 1 and array.size and np.issubdtype(array.dtype, np.integer):  # checked at once: a batch of
+            ids, outside = array.tolist(), (array < 0) | (array >= self.config.vocab_size)  # long prompts is ~1M ids
+            bad = array[outside][:5].tolist() if outside.any() else []
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         return ids

@@ -59,10 +59,15 @@ def prefix_root(placement: Sequence[str | None], page_size: int) -> bytes:
 
 def extend_chain(chain: list[bytes], tokens: Sequence[int], page_size: int, pages: int, root: bytes) -> None:
     """Append hashes to ``chain`` until it names the first ``pages`` full pages of ``tokens``."""
-    for j in range(len(chain), pages):
-        page = np.asarray(tokens[j * page_size : (j + 1) * page_size], np.int32)
+    first = len(chain)
+    if pages <= first:
+        return
+    # One conversion for all the new pages: per-page arrays made most of the cost for long prompts.
+    data = np.asarray(tokens[first * page_size : pages * page_size], np.int32).tobytes()
+    width = 4 * page_size
+    for j in range(pages - first):
         h = hashlib.blake2b(chain[-1] if chain else root, digest_size=HASH_BYTES)
-        h.update(page.tobytes())
+        h.update(data[j * width : (j + 1) * width])
         chain.append(h.digest())
 
 
@@ -136,7 +141,9 @@ class PrefixCache:
         """The request's hash chain, extended to at least ``pages`` full pages of its known tokens."""
         pages = min(pages, request.num_tokens // self.page_size)
         if len(request.page_hashes) < pages:
-            extend_chain(request.page_hashes, request.prompt_ids + request.output_ids, self.page_size, pages, self.root)
+            prompt = request.prompt_ids
+            tokens = prompt if pages * self.page_size <= len(prompt) else prompt + request.output_ids
+            extend_chain(request.page_hashes, tokens, self.page_size, pages, self.root)
         return request.page_hashes
 
     def _last_boundary(self, request: "Request") -> int:

@@ -169,6 +169,26 @@ def test_prompt_longer_than_context_is_rejected(hybrid):
         llm.generate([[3] * 40], GREEDY)
 
 
+@pytest.mark.parametrize("as_array", [False, True])
+def test_prompt_ids_outside_the_vocabulary_are_named(hybrid, as_array):
+    llm = _engine(hybrid)
+    vocab = llm.config.vocab_size
+    prompt = [5, vocab, 7, -1, 9]
+    with pytest.raises(ValueError, match=rf"token ids \[{vocab}, -1\] are outside the vocabulary \[0, {vocab}\)"):
+        llm.add_request(np.array(prompt, np.int64) if as_array else prompt, GREEDY)
+    assert not llm.has_unfinished_requests
+
+
+def test_prompts_as_lists_numpy_arrays_and_numpy_scalars_give_the_same_tokens(hybrid):
+    case = hybrid[0]
+    llm = _engine(hybrid)
+    prompt = _prompts(case)[0]
+    forms = [prompt, np.array(prompt, np.int32), [np.int64(t) for t in prompt]]
+    outputs = [llm.generate([form], GREEDY)[0] for form in forms]
+    assert all(o.prompt_ids == prompt and type(o.prompt_ids[0]) is int for o in outputs)
+    assert all(o.token_ids == case.greedy_ids["mamba"][0].tolist() for o in outputs)
+
+
 def test_several_decode_steps_per_dispatch_give_the_same_tokens_as_one(hybrid):
     """Greedy, seeded top-k/top-p sampling, stop ids hit mid-dispatch, budgets ending mid-dispatch and the
     context limit: a dispatch of up to 6 decode steps per row reproduces one step per dispatch exactly."""
