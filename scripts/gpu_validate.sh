@@ -16,9 +16,12 @@ pids=()
 timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
   > "$out/test_decode_mlp.log" 2>&1 &
 pids+=($!)
-# chained decode dispatches against one at a time (the carry read on the device)
+# chained decode dispatches against one at a time (the carry read on the device), and chained prefill steps
 timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py \
-  -k "chained or stop_inside or abort_while or cannot_stop" > "$out/test_llm_chained.log" 2>&1 &
+  -k "(chained or stop_inside or abort_while or cannot_stop) and not prefill" > "$out/test_llm_chained.log" 2>&1 &
+pids+=($!)
+timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py -k "chained_prefill" \
+  > "$out/test_llm_chained_prefill.log" 2>&1 &
 pids+=($!)
 for case in "$APRIEL2_GOLDENS"/*/; do
   name=$(basename "$case")
