@@ -323,7 +323,8 @@ class Scheduler:
 
     def _schedule_prefill(self, preempted: list[Request] | None) -> list[ScheduledRow]:
         """Prefill rows under the token budget: running requests' next chunks first, then admissions.
-        ``preempted`` None: no preemption; the first running request whose pages are short ends the rows."""
+        ``preempted`` None: no preemption; the first running request whose pages are short ends the rows (and
+        admits nobody: a newcomer never takes pages a running request is waiting for)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         rows: list[ScheduledRow] = []
@@ -344,8 +345,8 @@ class Scheduler:
                 if self._allocate(request, length, preempted):
                     budget -= length
                     rows.append(ScheduledRow(request, request.num_computed, length, length == request.pending))
-                elif preempted is None:
-                    break
+                elif preempted is None:  # nobody was preempted: every row's request still runs
+                    return rows
         while self.waiting and len(rows) < cfg.max_prefill_rows and budget > 0:
             if self.num_admitted >= cfg.max_num_seqs:
                 break

@@ -389,3 +389,22 @@ def test_prefill_scheduled_ahead_never_preempts():
     assert old.status is new.status is RequestStatus.RUNNING and not old.preemptions and not new.preemptions
     scheduler.check_invariants()
     assert [r.request_id for r in scheduler.schedule().preempted] == ["new"]  # what scheduling now would do
+
+
+def test_prefill_scheduled_ahead_admits_nobody_while_a_running_prompt_waits_for_pages():
+    """A running prompt whose next chunk finds no pages ends the step scheduled ahead: a newcomer whose first
+    chunk would fit does not take the pages first."""
+    scheduler = _engine(page_size=4, max_num_seqs=3, budget_tokens=64, chunk=64, window=40, extra_pages=0)
+    scheduler.config = dataclasses.replace(scheduler.config, max_chunk=40)
+    old = Request("old", list(range(40)), SamplingParams(max_new_tokens=1))
+    long = Request("long", list(range(60)), SamplingParams(max_new_tokens=1))
+    for request in (old, long):
+        scheduler.add(request)
+    step = scheduler.schedule()  # old whole (10 pages), long's first 24 tokens (6 pages): the budget of 64
+    assert [(row.request.request_id, row.length) for row in step.rows] == [("old", 40), ("long", 24)]
+    scheduler.complete(step)
+    scheduler.add(Request("small", list(range(8)), SamplingParams(max_new_tokens=1)))
+    # 24 pages: 8 free; long's next 36 tokens need 9, small's 8 tokens need 2.
+    assert scheduler.schedule_ahead() is None
+    assert [r.request_id for r in scheduler.waiting] == ["small"] and not scheduler.cache.holds("small")
+    scheduler.check_invariants()
