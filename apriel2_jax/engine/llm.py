@@ -392,10 +392,11 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return list(self.tokenizer.encode(prompt))
+        # Integer arrays (and lists of ints) are checked in one numpy pass: a batch of long prompts is ~1M ids.
         array = np.asarray(prompt)
-        if array.ndim == 1 and array.size and np.issubdtype(array.dtype, np.integer):  # checked at once: a batch of
-            ids, outside = array.tolist(), (array < 0) | (array >= self.config.vocab_size)  # long prompts is ~1M ids
-            bad = array[outside][:5].tolist() if outside.any() else []
+        if array.ndim == 1 and array.size and np.issubdtype(array.dtype, np.integer):
+            ids, outside = array.tolist(), (array < 0) | (array >= self.config.vocab_size)
+            bad = array[outside][:5].tolist()
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
