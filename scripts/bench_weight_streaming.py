@@ -27,6 +27,11 @@ range of blocks, balanced to within one.
 - **decode GEMV**: ``pallas_kernels.decode_gemv.norm_gated_mlp_kernel`` (RMSNorm + gate/up + activation product,
   one row) once per layer: the engine's kernel on the same bytes, arithmetic included.
 
+``--launch-cost`` measures instead what a kernel boundary costs without any bytes: chains of tiny dependent
+kernels (each adds to a 128-float vector the previous one wrote) of each kind, an XLA fusion, a Pallas Triton
+kernel (one program) and a Mosaic GPU kernel (one CTA, and one per SM), 16 in each iteration of a 16-iteration
+device loop (as the engine's decode dispatch runs its steps): µs per kernel.
+
 Needs a GPU (Mosaic GPU kernels do not run on the CPU).
 """
 
@@ -44,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from pallas_kernels.decode_gemv import norm_gated_mlp_kernel  # noqa: E402
@@ -140,6 +146,55 @@ def per_layer_us(step, weights, carry, layers: int) -> float:
     return seconds / layers * 1e6
 
 
+def tiny_kernels() -> dict:
+    """One-step ops on a float32 vector, each its own kernel: name -> (op, vector length)."""
+    def xla(x):
+        return lax.optimization_barrier(x * 1.0001 + 1.0)  # the barrier keeps XLA from fusing the chain
+
+    def triton(x):
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 1.0001 + 1.0
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                              compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(x)
+
+    def mosaic(x, programs=1):
+        def body(x_gmem, o_gmem):
+            def scoped(x_smem, ready):
+                plgpu.copy_gmem_to_smem(x_gmem, x_smem, ready.at[0])
+                plgpu.barrier_wait(ready.at[0])
+                p = lax.axis_index("p")
+                o_gmem[p] = x_smem[p] * 1.0001 + 1.0
+            pl.run_scoped(scoped, plgpu.SMEM(x.shape, F32), plgpu.Barrier(num_barriers=1))
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, F32), grid=(programs,),
+                            grid_names=("p",))(x)
+
+    sms = jax.devices()[0].core_count
+    return {"XLA fusion": (xla, 128), "Pallas Triton, 1 program": (triton, 128),
+            "Mosaic GPU, 1 CTA": (mosaic, 128),
+            f"Mosaic GPU, {sms} CTAs": (functools.partial(mosaic, programs=sms), carry_size(sms))}
+
+
+def launch_cost_rows(per_iteration: int = 16, iterations: int = 16) -> list[dict]:
+    """µs per tiny dependent kernel of each kind: ``per_iteration`` kernels in each iteration of a device loop of
+    ``iterations`` (as the engine's decode dispatch runs its steps), so a call is device-bound, not host-bound."""
+    def looped(op):
+        def step(_, x):
+            def body(i, x):
+                for _ in range(per_iteration):
+                    x = op(x)
+                return x
+            return lax.fori_loop(0, iterations, body, x)
+        return step
+
+    device = jax.devices()[0].device_kind
+    rows = []
+    for name, (op, size) in tiny_kernels().items():
+        seconds, _ = time_looped(looped(op), [None], jnp.zeros((size,), F32), steps=10, repeats=5)
+        rows.append(dict(device=device, kernel=name, kernels_per_call=per_iteration * iterations,
+                         us_per_kernel=round(seconds / (per_iteration * iterations) * 1e6, 2)))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2 * 4864, help="rows of each matrix (default: gate + up, 0.5B)")
@@ -147,11 +202,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--config", action="append", default=None, help="bn,bk,depth (repeatable; default 64,128,8 "
                     "and 32,128,8)")
+    ap.add_argument("--launch-cost", action="store_true", help="tiny dependent kernels' cost instead (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_weight_streaming needs a GPU: Mosaic GPU kernels have no CPU path.", file=sys.stderr)
         return 2
+    if args.launch_cost:
+        print_rows(launch_cost_rows(), args.json)
+        return 0
     if args.n % 2:
         raise SystemExit(f"--n {args.n} must be even (the GEMV reads it as gate and up halves)")
     configs = [tuple(int(v) for v in c.split(",")) for c in (args.config or ["64,128,8", "32,128,8"])]
