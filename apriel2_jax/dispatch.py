@@ -32,7 +32,6 @@ _REFERENCE: dict[str, Callable] = {
     "selective_scan_decode_slots": mamba.selective_scan_decode_slots,
     "paged_attention": paged_attention.paged_attention,
     "rope_write_paged_attention": paged_attention.rope_write_paged_attention,
-    "rope_write_paged_attention_partials": paged_attention.rope_write_paged_attention_partials,
     "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,
@@ -40,7 +39,6 @@ _REFERENCE: dict[str, Callable] = {
     "norm_projections": decode_fused.norm_projections,
     "norm_gated_mlp": decode_fused.norm_gated_mlp,
     "matmul_add": decode_fused.matmul_add,
-    "merge_matmul_add": decode_fused.merge_matmul_add,
     "gated_mlp_residual": decode_fused.gated_mlp_residual,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}

@@ -36,12 +36,6 @@ def register_all() -> None:
     dispatch.register("causal_conv1d_decode_slots", "gpu", causal_conv1d.decode_slots)
     dispatch.register("paged_attention", "gpu", paged_attention)
     dispatch.register("rope_write_paged_attention", "gpu", paged_attention_decode.rope_write_paged_attention)
-    # The attention output's K-split merge inside the output projection's GEMV kernel (one and two rows; more
-    # rows take the jnp merge and XLA's GEMM, as without these): the decode attention kernel hands over its
-    # partials and the two merge fusions between the kernels go.
-    dispatch.register("rope_write_paged_attention_partials", "gpu",
-                      paged_attention_decode.rope_write_paged_attention_partials)
-    dispatch.register("merge_matmul_add", "gpu", decode_gemv.merge_matmul_add)
     # Decode projections of a few rows as GEMVs fused with the norm before them and the activation product or
     # residual add after them (``decode_gemv``); each entry runs the jnp chain above its row limit
     # (``decode_gemv.KERNEL_ROWS``), where XLA's tensor-core GEMMs stream the weights faster.

@@ -89,7 +89,7 @@ def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
     return scales
 
 
-def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None, x_chunk=None):
+def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None):
     """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``)
     times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
 
@@ -98,8 +98,7 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
     product whose operands have not arrived, so loads interleaved with products would leave one chunk in flight
     per warp. The norm's sums of squares come after the first group's loads are issued, so the weights stream
     while it runs. Products accumulate elementwise and are reduced across the chunk once at the end: a reduction
-    per chunk synchronises the program's threads between its loads. ``x_chunk(r, c)``, where given, makes row r's
-    activations of chunk c instead of loading them from ``x_ref`` (no norm then)."""
+    per chunk synchronises the program's threads between its loads."""
     chunks = k_dim // chunk
     groups = [range(first, min(first + depth, chunks)) for first in range(0, chunks, depth)]
 
@@ -107,7 +106,7 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
         cols = {c: pl.ds(c * chunk, chunk) for c in group}
         return (
             {c: [w_ref[tile_rows, cols[c]] for w_ref, tile_rows in weights] for c in group},
-            {c: [x_ref[r, cols[c]] if x_chunk is None else x_chunk(r, c) for r in range(rows)] for c in group},
+            {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group},
             {c: norm[1][cols[c]] for c in group} if norm is not None else None,
         )
 
@@ -209,91 +208,6 @@ def matmul_add(x, weight, residual):
     if not _takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0]):
         return reference.matmul_add(x, weight, residual)
     return matmul_add_kernel(x, weight, residual)
-
-
-# -------------------------------------------------------------------------------------------- merge_matmul_add
-
-
-def _merge_matmul_add_kernel(acc_ref, m_ref, l_ref, w_ref, res_ref, o_ref, *, rows, k_dim, chunk, depth, n_dim,
-                             block_n, splits, head_dim):
-    """``_matmul_add_kernel`` whose activations are the decode attention's K-split partials, merged chunk by chunk
-    as ``ops.paged_attention.merge_splits`` does (every program merges the whole row from L2; the merge's loads go
-    out with the first weight tiles)."""
-    tile = pl.program_id(0)
-    rows_of_w = _tile(n_dim, block_n, tile)
-    residuals = [res_ref[r, rows_of_w] for r in range(rows)]
-    padded = _next_power_of_two(splits)
-    split = jnp.arange(padded, dtype=jnp.int32)
-    real = (split < splits)[:, None]
-
-    # A chunk holds whole heads (chunk % head_dim == 0) or part of one (head_dim % chunk == 0): the heads' m and l
-    # load once per chunk, not once per column.
-    per_chunk, width = max(chunk // head_dim, 1), min(chunk, head_dim)
-    head_in_chunk = jnp.arange(per_chunk, dtype=jnp.int32)
-    lane = jnp.arange(width, dtype=jnp.int32)
-
-    def x_chunk(r, c):
-        first_col = c * chunk
-        heads = first_col // head_dim + head_in_chunk  # [per_chunk]
-        offset = first_col % head_dim
-        idx = split[:, None, None], heads[None, :, None], offset + lane[None, None, :]
-        acc = pltriton.load(acc_ref.at[r, idx[0], idx[1], idx[2]], mask=real[:, :, None], other=0.0)
-        # padded splits weigh nothing: a finite minimum as the kernel's empty splits carry (no inf - inf)
-        m = pltriton.load(m_ref.at[r, split[:, None], heads[None, :]], mask=real, other=-1e30)
-        l = pltriton.load(l_ref.at[r, split[:, None], heads[None, :]], mask=real, other=0.0)
-        w = jnp.exp2(m - jnp.max(m, axis=0)[None, :])  # [splits, per_chunk]
-        l_sum = jnp.sum(w * l, axis=0)
-        o_sum = jnp.sum(w[:, :, None] * acc, axis=0)  # [per_chunk, width]
-        out = jnp.where((l_sum > 0)[:, None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[:, None], 0.0)
-        return out.reshape(chunk).astype(o_ref.dtype)
-
-    accs = _gemv(None, [(w_ref, rows_of_w)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth, x_chunk=x_chunk)
-    for r in range(rows):
-        out = residuals[r].astype(F32) + accs[r][0].astype(o_ref.dtype).astype(F32)
-        _store(o_ref, r, tile, out, n_dim=n_dim, block_n=block_n)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def merge_matmul_add_unsupported(acc, m, l, weight, residual) -> str | None:
-    if acc.ndim != 4 or acc.dtype != F32 or m.dtype != F32 or l.dtype != F32:
-        return f"acc must be [rows, splits, heads, head_dim] float32, m and l float32 (got {acc.shape} {acc.dtype})"
-    rows, splits, heads, head_dim = acc.shape
-    if m.shape != (rows, splits, heads) or l.shape != (rows, splits, heads):
-        return f"m and l must be [{rows}, {splits}, {heads}], got {m.shape} and {l.shape}"
-    x = jax.ShapeDtypeStruct((rows, heads * head_dim), residual.dtype)
-    reason = matmul_add_unsupported(x, weight, residual)
-    chunk = _chunk(heads * head_dim, None)
-    if reason is None and chunk % head_dim and head_dim % chunk:
-        reason = f"head_dim {head_dim} and the input chunk {chunk} must divide one another"
-    return reason
-
-
-@functools.partial(jax.jit, static_argnames=("chunk", "depth", "block_n", "num_warps", "interpret"))
-def merge_matmul_add_kernel(acc, m, l, weight, residual, *, chunk: int | None = None, depth: int = 4,
-                            block_n: int = 8, num_warps: int = 8, interpret: bool = False):
-    """``residual + merge_splits(acc, m, l) @ weight.T`` in one kernel (``ops.decode_fused.merge_matmul_add``),
-    S <= MAX_ROWS; the launch configuration of ``matmul_add_kernel``."""
-    reason = merge_matmul_add_unsupported(acc, m, l, weight, residual)
-    if reason is not None:
-        raise ValueError(f"merge_matmul_add: {reason}")
-    rows, splits, heads, head_dim = acc.shape
-    k_dim, n_dim = heads * head_dim, weight.shape[0]
-    kernel = functools.partial(_merge_matmul_add_kernel, rows=rows, k_dim=k_dim, chunk=_chunk(k_dim, chunk),
-                               depth=depth, n_dim=n_dim, block_n=block_n, splits=splits, head_dim=head_dim)
-    x = jax.ShapeDtypeStruct((rows, k_dim), residual.dtype)
-    return _call(kernel, (acc, m, l, weight, residual), x=x, n_dim=n_dim,
-                 block_n=block_n, name="gemv_merge_add", num_warps=num_warps, interpret=interpret)
-
-
-def merge_matmul_add(acc, m, l, weight, residual):
-    """Dispatch entry for "merge_matmul_add": the kernel up to ``KERNEL_ROWS["matmul_add"]`` rows, else the jnp
-    chain (XLA's merge fusions and GEMM)."""
-    if not _takes("matmul_add", merge_matmul_add_unsupported(acc, m, l, weight, residual), acc.shape[0]):
-        return reference.merge_matmul_add(acc, m, l, weight, residual)
-    return merge_matmul_add_kernel(acc, m, l, weight, residual)
 
 
 # ------------------------------------------------------------------------------------------ norm_gated_mlp

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from apriel2_jax.ops.paged_attention import check_paged_inputs, merge_splits
+from apriel2_jax.ops.paged_attention import check_paged_inputs
 
 F32 = jnp.float32
 _LOG2E = math.log2(math.e)
@@ -339,12 +339,10 @@ def rope_write_paged_attention_decode(
 
 def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *, packed: bool = False,
             block_tokens: int | None = None, splits: int | None = None, num_warps: int | None = None,
-            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False,
-            partials: bool = False):
+            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False):
     """q: [B, H, D] (``packed``: [B, H + 2G, D], the new keys and values after the query heads). Returns the
-    output [B, H, D] (``partials``: the K-split partials (acc, m, l) unmerged, for ``merge_splits``) and, with
-    ``new_token`` = (k, v, cos, sin, slots) (``packed``: (cos, sin, slots)), the pages with the new keys and values
-    written (else None)."""
+    output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots) (``packed``: (cos, sin, slots)), the pages
+    with the new keys and values written (else None)."""
     num_pages, page_size, groups, _ = k_pages.shape
     batch, heads, head_dim = q.shape
     if packed:
@@ -413,56 +411,16 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         pages = (out[-2].reshape(k_pages.shape), out[-1].reshape(v_pages.shape))
         out = out[:-2]
     if splits == 1:
-        if partials:  # one split, already normalised: acc = out, m = 0, l = 1 merge back to it
-            acc = out[0][:, :heads].astype(F32)[:, None]
-            return (acc, jnp.zeros(acc.shape[:-1], F32), jnp.ones(acc.shape[:-1], F32)), pages
         return out[0][:, :heads], pages
     acc, m, l = (x[:, :, :heads] for x in out)
-    if partials:
-        return (acc, m, l), pages
-    return merge_splits(acc, m, l, q.dtype), pages
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def rope_write_paged_attention_partials_decode(
-    q: jax.Array,
-    k: jax.Array | None,
-    v: jax.Array | None,
-    cos: jax.Array,
-    sin: jax.Array,
-    slots: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    block_table: jax.Array,
-    first_page: jax.Array,
-    q_positions: jax.Array,
-    window: int | None = None,
-    *,
-    block_tokens: int | None = None,
-    splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 3,
-    min_programs: int = 1024,
-    prefetch_ids: int = 1,
-    interpret: bool = False,
-):
-    """``rope_write_paged_attention_decode`` without the split merge: returns the partials (acc [B, splits, H, D],
-    m and l [B, splits, H], fp32) and the pages, for a consumer that merges them itself
-    (``ops.decode_fused.merge_matmul_add``)."""
-    packed = k is None and v is None
-    heads = q.shape[1] - (2 * k_pages.shape[2] if packed else 0)
-    batch, _, head_dim = q.shape
-    if heads <= 0:
-        raise ValueError(f"q must be [B, H + 2G, D] with G = {k_pages.shape[2]} KV heads when k and v are None, "
-                         f"got {list(q.shape)}")
-    _check_inputs(jax.ShapeDtypeStruct((batch, 1, heads, head_dim), q.dtype), k_pages, v_pages, block_table,
-                  first_page, q_positions, window)
-    new_token = (cos, sin, slots.astype(jnp.int32)) if packed else (k, v, cos, sin, slots.astype(jnp.int32))
-    parts, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token,
-                           packed=packed, block_tokens=block_tokens, splits=splits, num_warps=num_warps,
-                           num_stages=num_stages, min_programs=min_programs, prefetch_ids=prefetch_ids,
-                           interpret=interpret, partials=True)
-    return (*parts, *pages)
+    # Merge the splits (flash-decoding): rescale each split to the common max. Empty splits have m = -1e30 and
+    # l = 0, so they weigh nothing; a row with no visible key at all gets l = 0 and a zero output.
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp2(m - m_max)
+    l_sum = jnp.sum(w * l, axis=1)
+    o_sum = jnp.sum(w[..., None] * acc, axis=1)
+    o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
+    return o.astype(q.dtype), pages
 
 
 def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):
@@ -490,19 +448,3 @@ def rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block
     window = None if window is None else int(window)
     return rope_write_paged_attention_decode(q, k, v, cos, sin, slots, k_pages, v_pages, block_table, first_page,
                                              q_positions, window)
-
-
-def rope_write_paged_attention_partials(q, k, v, cos, sin, slots, k_pages, v_pages, block_table, first_page,
-                                        q_positions, window=None):
-    """Dispatch entry for "rope_write_paged_attention_partials": the kernel where the decode kernel takes the
-    shapes, else the reference (one split)."""
-    from apriel2_jax.ops import paged_attention as reference
-
-    heads = q.shape[1] - (2 * k_pages.shape[2] if k is None else 0)
-    query = jax.ShapeDtypeStruct((q.shape[0], 1, heads, q.shape[2]), q.dtype)
-    if unsupported_reason(query, k_pages, v_pages, block_table, first_page, q_positions) is not None:
-        return reference.rope_write_paged_attention_partials(q, k, v, cos, sin, slots, k_pages, v_pages,
-                                                             block_table, first_page, q_positions, window)
-    window = None if window is None else int(window)
-    return rope_write_paged_attention_partials_decode(q, k, v, cos, sin, slots, k_pages, v_pages, block_table,
-                                                      first_page, q_positions, window)

@@ -147,9 +147,6 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-mlp-kernel", action="store_true",
                     help="decode MLPs of 8-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
                     "registered by default) instead of XLA's GEMMs; tensor-parallel rows keep the other path")
-    ap.add_argument("--unmerged-output-projection", action="store_true",
-                    help="decode attention's K-split merge as XLA fusions before the output projection's kernel "
-                    "instead of inside it (pallas_kernels/decode_gemv.merge_matmul_add): its side-by-side baseline")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--sampler", action="store_true",
@@ -166,8 +163,6 @@ def main(argv=None) -> int:
         from pallas_kernels import decode_mlp
 
         dispatch.register("gated_mlp_residual", "gpu", decode_mlp.gated_mlp_residual)
-    if args.unmerged_output_projection:
-        dispatch.unregister("merge_matmul_add")
     if args.xla_decode_projections:
         for name in ("norm_projections", "norm_gated_mlp", "matmul_add"):
             dispatch.unregister(name)

@@ -91,27 +91,19 @@ class Attention(nnx.Module):
         qkv = fused(x[:, 0], norm.weight[...], norm.eps,
                     (self.q_proj.weight[...], self.k_proj.weight[...], self.v_proj.weight[...]))
         qkv = qkv.reshape(rows, cfg.heads + 2 * cfg.head_groups, cfg.head_size)
-        merge_add = kernel("merge_matmul_add")
-        attend_partials = kernel("rope_write_paged_attention_partials")
-        if merge_add is not None and attend_partials is not None and self.o_proj.bias is None \
-                and self.o_proj.reduce_axis is None:
-            # the attention's K-split partials merged inside the output projection's kernel
-            (acc, m, l), pages = self._decode_attention(attend_partials, qkv, None, None, batch, pages)
-            return merge_add(acc, m, l, self.o_proj.weight[...], x[:, 0])[:, None], pages
         out, pages = self._decode_attention(op("rope_write_paged_attention"), qkv, None, None, batch, pages)
         return residual_projection(self.o_proj, out.reshape(rows, cfg.heads * cfg.head_size), x), pages
 
     def _decode_attention(self, attend, q, k, v, batch, pages: dict[str, jax.Array]):
         """``attend`` (``rope_write_paged_attention``'s kernel or chain) for one-token rows: q [S, H, D] and k, v
-        [S, G, D] before RoPE, or k = v = None with q [S, H + 2G, D]. Returns the output [S, H, D] (from
-        ``rope_write_paged_attention_partials``: its (acc, m, l)) and the pages."""
+        [S, G, D] before RoPE, or k = v = None with q [S, H + 2G, D]. Returns the output [S, H, D] and the pages."""
         cfg = self.cfg
         table, first = batch.tables[cfg.cache_family], batch.first_page[cfg.cache_family]
         slots = page_slots(batch.positions, batch.token_mask, table, first, pages["k"].shape[1])[:, 0]
         cos, sin = rope_cos_sin(batch.positions[:, 0], cfg.head_size, cfg.rotary.theta, q.dtype)
-        *out, k_pages, v_pages = attend(q, k, v, cos, sin, slots, pages["k"], pages["v"], table, first,
-                                        batch.positions, cfg.window_size)
-        return (out[0] if len(out) == 1 else tuple(out)), {"k": k_pages, "v": v_pages}
+        out, k_pages, v_pages = attend(q, k, v, cos, sin, slots, pages["k"], pages["v"], table, first,
+                                       batch.positions, cfg.window_size)
+        return out, {"k": k_pages, "v": v_pages}
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: dict | None, token_mask: jax.Array | None = None):
         """``token_mask`` is accepted for a uniform mixer interface and not needed: right padding sits after every

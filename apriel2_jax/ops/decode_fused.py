@@ -10,8 +10,6 @@ fuse, built from the same ops the modules use, so each kernel has an oracle with
   the fused decode attention kernel takes them in one buffer);
 - ``norm_gated_mlp``: post-attention RMSNorm and the gated MLP's gate/up projections with the activation product;
 - ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down);
-- ``merge_matmul_add``: the same for the attention output, from the decode attention's K-split partials, which it
-  merges first (the merge ran as two small kernels between the attention and the projection);
 - ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``).
 
 Rows are sequences ([S, D], one token each). The modules use the fused forms only where a kernel is registered
@@ -24,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from .norms import activation, rms_norm
-from .paged_attention import merge_splits
 
 
 def _project(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -52,15 +49,6 @@ def matmul_add(x: jax.Array, weight: jax.Array, residual: jax.Array) -> jax.Arra
     """x: [S, K]; weight: [N, K]; residual: [S, N]. ``residual + x @ weight.T``, the projection rounded to the
     dtype before the add (as ``Linear`` then ``+``)."""
     return residual + _project(x, weight)
-
-
-def merge_matmul_add(acc: jax.Array, m: jax.Array, l: jax.Array, weight: jax.Array, residual: jax.Array) -> jax.Array:
-    """Decode attention's K-split partials (``paged_attention.merge_splits``: acc [S, splits, H, D], m and l
-    [S, splits, H]) merged in the residual's dtype, then the output projection added to the residual:
-    ``residual + merge(acc, m, l).reshape(S, H * D) @ weight.T`` (weight [N, H * D], residual [S, N])."""
-    rows = acc.shape[0]
-    merged = merge_splits(acc, m, l, residual.dtype).reshape(rows, -1)
-    return matmul_add(merged, weight, residual)
 
 
 def gated_mlp_residual(

@@ -133,27 +133,3 @@ def rope_write_paged_attention(
     v_pages = write_pages(v_pages, v[:, None], slots[:, None])
     out = paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     return out[:, 0], k_pages, v_pages
-
-
-def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
-    """Flash-decoding's merge of K-split partials: acc [S, splits, H, D] (unnormalised fp32 sums of values),
-    m [S, splits, H] (running maxima of the scores, log2-scaled), l [S, splits, H] (sums of exp2(score - m)).
-    Each split is rescaled to the common maximum; splits that saw no key (m = -1e30, l = 0) weigh nothing, and a
-    row with no visible key at all gets a zero output. Returns [S, H, D] in ``dtype``."""
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp2(m - m_max)
-    l_sum = jnp.sum(w * l, axis=1)
-    o_sum = jnp.sum(w[..., None] * acc, axis=1)
-    return jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0).astype(dtype)
-
-
-def rope_write_paged_attention_partials(q, k, v, cos, sin, slots, k_pages, v_pages, block_table, first_page,
-                                        q_positions, window=None):
-    """``rope_write_paged_attention`` with its output as K-split partials (acc, m, l) for ``merge_splits``,
-    which a fused consumer merges itself (``decode_fused.merge_matmul_add``). This reference computes the output
-    whole and returns it as one split (acc = out, m = 0, l = 1), which merges back to it exactly. Returns
-    (acc [S, splits, H, D] f32, m [S, splits, H] f32, l [S, splits, H] f32, k_pages, v_pages)."""
-    out, k_pages, v_pages = rope_write_paged_attention(q, k, v, cos, sin, slots, k_pages, v_pages, block_table,
-                                                       first_page, q_positions, window)
-    acc = out.astype(jnp.float32)[:, None]
-    return acc, jnp.zeros(acc.shape[:-1], jnp.float32), jnp.ones(acc.shape[:-1], jnp.float32), k_pages, v_pages

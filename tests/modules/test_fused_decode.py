@@ -102,39 +102,6 @@ def test_engine_greedy_through_the_rope_write_attention_kernel_matches_goldens(c
     assert calls  # decode steps went through the kernel
 
 
-@pytest.mark.parametrize("case_name", ["hybrid_all_mixers", "supernet_swa"])  # the cases with head_dim >= 16
-def test_engine_greedy_through_the_merged_output_projection_matches_goldens(case_name, monkeypatch):
-    """The decode attention kernel handing its K-split partials (3 splits: several empty at these contexts) to the
-    output projection's GEMV kernel, which merges them (both in interpret mode, as this backend's kernels, with
-    the jnp Q/K/V chain before them): every placement's greedy tokens."""
-    from pallas_kernels import decode_gemv
-    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_partials_decode, unsupported_reason
-
-    calls = {"partials": 0, "merge": 0}
-
-    def attend(q, k, v, cos, sin, slots, k_pages, v_pages, table, first, positions, window):
-        heads = q.shape[1] - 2 * k_pages.shape[2]
-        query = jnp.zeros((q.shape[0], 1, heads, q.shape[2]), q.dtype)
-        assert k is None and unsupported_reason(query, k_pages, v_pages, table, first, positions) is None
-        calls["partials"] += 1
-        return rope_write_paged_attention_partials_decode(q, k, v, cos, sin, slots, k_pages, v_pages, table, first,
-                                                          positions, None if window is None else int(window),
-                                                          splits=3, interpret=True)
-
-    def merge(acc, m, l, weight, residual):
-        calls["merge"] += 1
-        return decode_gemv.merge_matmul_add_kernel(acc, m, l, weight, residual, interpret=True)
-
-    _chains_as_kernels(monkeypatch, ("norm_projections",))
-    kernels = dict(dispatch._KERNELS)
-    kernels[("rope_write_paged_attention_partials", "cpu")] = attend
-    kernels[("merge_matmul_add", "cpu")] = merge
-    monkeypatch.setattr(dispatch, "_KERNELS", kernels)
-    case, model, _ = golden_model(case_name)
-    _assert_engine_greedy_matches(case_name, case, model)
-    assert calls["partials"] > 0 and calls["merge"] == calls["partials"], calls
-
-
 def test_engine_greedy_through_the_gemv_kernels_matches_goldens(monkeypatch):
     """The decode GEMV kernels (interpret mode, registered as this backend's kernels for every row count they
     take) in the engine's decode steps of a golden case with attention, GDN, KDA and Mamba layers."""

@@ -50,40 +50,6 @@ def test_kernels_match_the_chains(dtype):
     assert _rel(out, reference.norm_projections(x, norm, 1e-5, weights)) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("rows, splits, heads, head_dim, features", [
-    (1, 8, 14, 64, 40),  # the 0.5B head layout (K = 896 in chunks of 128, two heads each), a ragged last tile
-    (2, 3, 4, 32, 64),  # a split count that is not a power of two (padded, weighing nothing)
-    (1, 1, 2, 16, 16),  # one split: the partials of an already-normalised output
-])
-def test_merge_matmul_add_matches_the_chain(rows, splits, heads, head_dim, features):
-    """The output projection over the decode attention's K-split partials, merged in the kernel as
-    ``merge_splits`` merges them; a split that saw no key (m = -1e30, l = 0) weighs nothing."""
-    rng = np.random.default_rng(3)
-    acc = jnp.asarray(3 * rng.standard_normal((rows, splits, heads, head_dim)), jnp.float32)
-    m = jnp.asarray(4 * rng.standard_normal((rows, splits, heads)), jnp.float32)
-    l = jnp.asarray(np.abs(rng.standard_normal((rows, splits, heads))) + 0.5, jnp.float32)
-    if splits > 1:
-        acc, m, l = acc.at[:, 1].set(0.0), m.at[:, 1].set(-1e30), l.at[:, 1].set(0.0)
-    weight = jnp.asarray(0.05 * rng.standard_normal((features, heads * head_dim)), jnp.bfloat16)
-    residual = jnp.asarray(rng.standard_normal((rows, features)), jnp.bfloat16)
-    out = kernels.merge_matmul_add_kernel(acc, m, l, weight, residual, block_n=16, interpret=True)
-    assert out.shape == residual.shape and out.dtype == jnp.bfloat16
-    assert _rel(out, reference.merge_matmul_add(acc, m, l, weight, residual)) <= TOLERANCE[jnp.bfloat16]
-
-
-def test_merge_matmul_add_entry_falls_back_and_rejects_bad_inputs():
-    f = _rand(np.random.default_rng(4), jnp.float32)
-    rows = kernels.KERNEL_ROWS["matmul_add"] + 1  # above the row limit: the chain (XLA's merge and GEMM)
-    acc, m, l = f(rows, 2, 2, 16), f(rows, 2, 2), jnp.abs(f(rows, 2, 2))
-    weight, residual = f(16, 32), f(rows, 16)
-    np.testing.assert_array_equal(np.asarray(kernels.merge_matmul_add(acc, m, l, weight, residual)),
-                                  np.asarray(reference.merge_matmul_add(acc, m, l, weight, residual)))
-    assert "m and l" in kernels.merge_matmul_add_unsupported(acc, m[:, :1], l, weight, residual)
-    assert "float32" in kernels.merge_matmul_add_unsupported(acc.astype(jnp.bfloat16), m, l, weight, residual)
-    with pytest.raises(ValueError, match="merge_matmul_add"):
-        kernels.merge_matmul_add_kernel(acc, m, l, f(16, 24), residual, interpret=True)
-
-
 def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_take():
     f = _rand(np.random.default_rng(2), jnp.float32)
     x, weight, residual = f(2, 32), f(16, 32), f(2, 16)
@@ -120,9 +86,6 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, width, heads, groups, 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         for fn, args in (
             (kernels.matmul_add_kernel, (S((rows, inner), bf), S((width, inner), bf), x)),
-            (kernels.merge_matmul_add_kernel, (S((rows, 8, heads, head_dim), jnp.float32),
-                                               S((rows, 8, heads), jnp.float32), S((rows, 8, heads), jnp.float32),
-                                               S((width, heads * head_dim), bf), x)),
             (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((inner, width), bf), S((inner, width), bf), "silu")),
             (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((heads * head_dim, width), bf),
                                                                S((groups * head_dim, width), bf),
