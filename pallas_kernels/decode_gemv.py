@@ -46,6 +46,10 @@ MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element a
 # jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
 KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
+# A step reads each weight once: its lines go first from L2, ahead of the activations, K/V and states the step
+# reads again. 24 layers of the 0.5B MLP (norm + gate/up, down) chained: 13.28 µs per layer against 13.67-13.70
+# with the default policy (H200, 2026-11-26).
+WEIGHT_EVICTION = "evict_first"
 
 
 def _chunk(k_dim: int, chunk: int | None) -> int | None:
@@ -89,6 +93,14 @@ def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
     return scales
 
 
+def _load_weights(w_ref, tile_rows, cols):
+    """A [block_n, chunk] weight tile, first out of L2 (``WEIGHT_EVICTION``). A ragged last tile's clamped row
+    indices load plainly (Pallas's interpreter takes no cache hints on mixed array and slice indexing)."""
+    if isinstance(tile_rows, pl.Slice):
+        return pltriton.load(w_ref.at[tile_rows, cols], eviction_policy=WEIGHT_EVICTION)
+    return w_ref[tile_rows, cols]
+
+
 def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None):
     """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``)
     times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
@@ -105,7 +117,7 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
     def load(group):
         cols = {c: pl.ds(c * chunk, chunk) for c in group}
         return (
-            {c: [w_ref[tile_rows, cols[c]] for w_ref, tile_rows in weights] for c in group},
+            {c: [_load_weights(w_ref, tile_rows, cols[c]) for w_ref, tile_rows in weights] for c in group},
             {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group},
             {c: norm[1][cols[c]] for c in group} if norm is not None else None,
         )
