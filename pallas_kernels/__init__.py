@@ -43,9 +43,10 @@ def register_all() -> None:
     dispatch.register("norm_gated_mlp", "gpu", decode_gemv.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered: side by side in the engine (0.5B,
-    # all-attention, H200, 2026-11-25, two processes each) it took B=8 from 1.001-1.021 to 1.041-1.060 ms (slower)
-    # and B=32 from 1.261-1.319 to 1.246-1.248 (1-5%, against a spread of up to ~10% between processes of one
-    # variant), while it added 9-24 s to the engine's start-up (warm compilation cache: 10.7 s against 1.6). ``bench_generate.py --decode-mlp-kernel`` registers it.
+    # H200, 2026-11-27, two processes each) it left B=8 and B=32 steps within the spread between processes of one
+    # variant (all-attention B=32 1.117-1.120 ms against 1.137, a12-g1-k11 1.274-1.312 against 1.293-1.299), and its
+    # float32 reduce-add stores make outputs vary by a rounding between calls. ``bench_generate.py
+    # --decode-mlp-kernel`` registers it.
     # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
     for name, fn in (
         ("gated_delta_rule", sequence_forms.gated_delta_rule),

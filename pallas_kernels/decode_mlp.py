@@ -1,43 +1,37 @@
-"""The gated MLP of a decode step for up to 32 rows as one persistent Mosaic GPU kernel: gate/up projections with
-the activation product, then the down projection, with one grid-wide dependence between them instead of a kernel
-boundary. The jnp oracle is ``apriel2_jax.ops.decode_fused.gated_mlp_residual``.
+"""The gated MLP of a decode step for up to 32 rows as one persistent Mosaic GPU kernel: RMSNorm, gate/up
+projections with the activation product and the down projection, one CTA per 64 intermediate features. The jnp
+oracle is ``apriel2_jax.ops.decode_fused.gated_mlp_residual``.
 
 Why. At a few rows the MLP reads its three matrices once (26 MB of the 0.5B geometry's 30 MB per layer) and does
-little arithmetic, so its floor is bytes over bandwidth. As separate kernels each pays a start and a tail (~2 µs
-on an H200) and streams below the bandwidth a single pipeline reaches (``scripts/bench_weight_streaming.py``). Here
-every CTA issues its weight loads (TMA into a ring of SMEM stages) at the start, the down projection's included:
-they do not depend on the gate/up result, so they stream while the gate/up CTAs compute.
+little arithmetic, so its floor is bytes over bandwidth. XLA runs it as five kernels at 8-32 rows (norm, gate/up
+GEMM, activation product, down GEMM split over its input, the split sum with the residual add), each paying a
+start, a first-load latency and a tail, with the intermediate product going through HBM.
 
-Design (one CTA per SM, two roles):
+Design. CTA ``p + 1`` owns intermediate features [64p, 64p + 64). It issues, in this order, TMA loads of the rows
+and the norm weight, of its first (gate, up) weight block pairs ([64, 128] each) and of its first down-projection
+blocks (the [64 output features, 64] blocks of ``w_down``'s columns for its features): an SM's copies land
+roughly in issue order, and the norm waits on the rows. It normalises the rows in SMEM as ``ops.norms.rms_norm``
+rounds (fp32 statistics, cast, times the weight), runs the gate/up blocks as wgmma A operands against them (the
+rows, padded to 8, are the N dimension, so few rows cost no padding to 64), rounds, applies the activation in
+fp32, rounds and multiplies (as the reference), keeping its [64, rows] product tile in SMEM. Then it multiplies
+each down block by that tile and adds the float32 result into the output with a TMA reduce-add store: no
+grid-wide dependence on the product, which never leaves the SM. CTA 0 zeroes the output first; the others wait
+for it (a global counter) before their first add, by then long done.
 
-- **gate/up CTAs** (one per 64 intermediate features): [64, 128] blocks of the gate and up weights are the wgmma A
-  operand and the normalised rows the B operand (swap-AB: the rows, padded to 8, are the N dimension), so a few
-  rows cost no padding to 64. The epilogue rounds gate and up to the dtype, applies the activation in fp32,
-  rounds, multiplies (as the reference), transposes the [64, rows] tile through SMEM into rows-major ``y`` in
-  HBM (L2) and counts itself done on a global counter.
-- **down CTAs** (the rest; each a [64 output features, I / splits] block of the down projection): their first
-  ``down_depth`` weight blocks (all of them at up to 8 rows on the 0.5B geometry) load while the gate/up CTAs
-  work; once the counter reaches the gate/up CTAs' number they load their slice of ``y``, run the wgmmas and write
-  a float32 partial [64, rows]. The caller sums the ``splits`` partials and adds the residual
-  (one small fusion, which XLA merges with the next layer's norm where it can).
+The caller rounds the sum to the dtype (the projection) and adds it to the residual (rounded), as the reference.
+The float32 adds of the 76 CTAs (0.5B) land in no fixed order, so outputs can differ between calls by a rounding
+of the sum (bf16 ulps of the projection, rarely).
 
-The schedule needs intermediate / 64 + hidden / 64 CTAs at least (0.5B: 76 + 14 x 4 splits = 132 = an H200's
-SMs); ``schedule`` returns None where the GPU has too few, and ``gated_mlp_residual`` then runs the dispatched
-``norm_gated_mlp`` and ``matmul_add``.
-
-The gate/up CTAs have the lowest indices, so they are scheduled no later than the down CTAs that spin on their
-counter (every CTA is resident at once: one per SM). The product goes to HBM by TMA stores that complete before the
-release add, and comes back by TMA loads after the acquiring wait; Pallas exposes no ``fence.proxy.async`` for
-global memory, and repeated calls on the GPU gave identical results.
-
-Status: equal to the bf16 jnp chain on the GPU (1-32 rows, three geometries, silu and tanh-gelu;
-``tests/pallas_kernels/test_decode_mlp.py`` checks it where a GPU is present), but not clearly faster than what
-the engine runs, so it is not registered (``bench_generate.py --decode-mlp-kernel`` registers it).
-Measured on an H200, 2026-11-25 (8 layers of 0.5B weights chained; µs per layer, the norm and the partials' sum
-included): 19.8 against the GEMV kernels' 14.5 at one row, 20.1 against XLA's 17.8 at 8 rows, 20.2 against 21.9
-at 32. Its bytes stream in ~7 µs at the rates measured for these CTA counts; the rest is serial latency (the
-kernel's start and tail, the grid-wide wait, the down CTAs' loads of the product, wgmmas and stores after it, and
-the XLA norm and sum around it). See docs/BENCHMARKS.md.
+Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it where
+a GPU is present) but not registered: in the engine it is within the noise of what runs without it
+(``bench_generate.py --decode-mlp-kernel``; 0.5B, H200, 2026-11-27, two processes each: all-attention B=32 1.117,
+1.120 ms against 1.137, 1.137, B=8 0.893, 0.897 against 0.894, 0.897; a12-g1-k11 B=32 1.274, 1.312 against 1.299,
+1.293, B=8 1.082, 1.107 against 1.074, 1.078). Alone, 24 layers of 0.5B weights chained (same day, µs per layer,
+the padding and the residual add included): 15.5 against the GEMV kernels' 13.4 at one row, 15.2-15.3 against the
+dispatched XLA chain's 17.4-17.6 at 8 rows, 19.1-20.5 against 24.3-24.8 at 32; in the engine XLA fuses the MLP's
+norm into the fusion before it and runs the rest in ~20 µs at 32 rows (trace, docs/BENCHMARKS.md), about this
+kernel's time. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB
+of gate/up, 112 KB of down) at ~25-40 GB/s, one SM's rate through its TMA ring, on 76 of the 132 SMs.
 """
 
 from __future__ import annotations
@@ -52,71 +46,60 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from apriel2_jax import dispatch
-from apriel2_jax.ops.norms import rms_norm
 
 F32 = jnp.float32
-TILE = 64  # wgmma's M: weight rows per tile
-BLOCK_K = 128  # input width of every weight load: [64, 128] bf16 blocks (16 KB), 256-byte rows. With 128-byte rows
+TILE = 64  # wgmma's M: weight rows per tile, and the intermediate features of one CTA
+BLOCK_K = 128  # input width of the gate/up loads: [64, 128] bf16 blocks (16 KB), 256-byte rows. With 128-byte rows
 # ([64, 64] blocks) 76 CTAs streamed 17.4 MB at 2.8 TB/s against 3.7 (H200, 2026-11-25)
 MAX_ROWS = 32
-MIN_ROWS = 8  # fewer rows take the dispatched norm_gated_mlp and matmul_add (decode_gemv's kernels on the GPU)
+MIN_ROWS = 2  # one row takes the dispatched norm_gated_mlp and matmul_add (decode_gemv's kernels on the GPU)
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
+DOWN_DEPTH = 4  # ring stages of [64, 64] down blocks; the rest of the SMEM goes to (gate, up) stages
 _SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of every bf16 SMEM block
 ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Which CTA does what. CTAs [0, gate_up_ctas) each own 64 intermediate features; the next
-    ``out_tiles * splits`` each own one (64 output features, K split) block of the down projection."""
+    """CTA 0 zeroes the output; CTAs 1..``gate_up_ctas`` each own 64 intermediate features."""
 
     rows: int  # padded to 8
     hidden: int
     intermediate: int
-    gate_up_ctas: int
-    out_tiles: int
-    splits: int
     gate_up_depth: int  # ring stages of (gate, up) block pairs
     down_depth: int  # ring stages of down blocks
 
-    def k_range(self, split: int):
-        """The [first, last) ``BLOCK_K`` blocks of the intermediate width that down split ``split`` reads
-        (balanced to within one block; works on Python ints and traced ones)."""
-        return split * self.k_blocks // self.splits, (split + 1) * self.k_blocks // self.splits
-
     @property
-    def k_blocks(self) -> int:
-        return self.intermediate // BLOCK_K
-
-    @property
-    def max_down_blocks(self) -> int:
-        return -(-self.k_blocks // self.splits)
+    def gate_up_ctas(self) -> int:
+        return self.intermediate // TILE
 
     @property
     def programs(self) -> int:
-        return self.gate_up_ctas + self.out_tiles * self.splits
+        return self.gate_up_ctas + 1
+
+    def smem_bytes(self) -> int:
+        """What a feature CTA allocates: the rows (normalised in place), the norm weight, the product tile, two
+        float32 output tiles, the weight stages."""
+        fixed = self.rows * self.hidden * 2 + self.hidden * 2 + self.rows * TILE * 2 + 2 * TILE * self.rows * 4
+        return fixed + self.gate_up_depth * 2 * TILE * BLOCK_K * 2 + self.down_depth * TILE * TILE * 2
 
 
 def schedule(rows: int, hidden: int, intermediate: int, sms: int) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of a [hidden -> intermediate -> hidden] MLP on ``sms`` SMs, or None
-    where it does not fit (widths not multiples of 128, more than ``MAX_ROWS`` rows, too few SMs for one CTA per
-    gate/up tile and per output tile, SMEM). Plain Python: ``gated_mlp_residual`` decides with it at trace time."""
-    if not 1 <= rows <= MAX_ROWS or hidden % BLOCK_K or intermediate % BLOCK_K:
+    where it does not fit (hidden width not a multiple of 128 or wider than 256 such blocks, intermediate width not
+    a multiple of 64, more than ``MAX_ROWS`` rows, more CTAs than SMs, SMEM). Plain Python: the entry decides with
+    it at trace time."""
+    if not 1 <= rows <= MAX_ROWS or hidden % BLOCK_K or hidden // BLOCK_K > 256 or intermediate % TILE:
         return None
     rows8 = -(-rows // 8) * 8
-    gate_up, out_tiles = intermediate // TILE, hidden // TILE
-    if gate_up + out_tiles > sms:
+    if intermediate // TILE + 1 > sms:
         return None
-    splits = min((sms - gate_up) // out_tiles, intermediate // BLOCK_K)
-    block = TILE * BLOCK_K * 2
-    # gate/up CTA: the normalised rows (all of the hidden width), the output tile, then as many stages as fit
-    gate_up_depth = min(hidden // BLOCK_K, (SMEM_BYTES - rows8 * hidden * 2 - rows8 * TILE * 2) // (2 * block))
-    # down CTA: its slice of y, the float32 partial, then stages
-    max_blocks = -(-(intermediate // BLOCK_K) // splits)
-    down_depth = min(max_blocks, (SMEM_BYTES - rows8 * BLOCK_K * 2 * max_blocks - TILE * rows8 * 4) // block)
-    if gate_up_depth < 1 or down_depth < 1:
+    down_depth = min(hidden // TILE, DOWN_DEPTH)
+    room = SMEM_BYTES - Schedule(rows8, hidden, intermediate, 0, down_depth).smem_bytes()
+    gate_up_depth = min(hidden // BLOCK_K, room // (2 * TILE * BLOCK_K * 2))
+    if gate_up_depth < 1:
         return None
-    return Schedule(rows8, hidden, intermediate, gate_up, out_tiles, splits, gate_up_depth, down_depth)
+    return Schedule(rows8, hidden, intermediate, gate_up_depth, down_depth)
 
 
 def _activation(name: str, g: jax.Array) -> jax.Array:
@@ -138,145 +121,157 @@ def _bf16_tiles():
     return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def gated_mlp_partials(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str,
-                       plan: Schedule) -> jax.Array:
-    """h: [rows8, hidden] normalised rows (bf16); w_gate, w_up: [I, hidden]; w_down: [hidden, I]. Returns the down
-    projection's split partials, float32 [splits, hidden, rows8] (transposed: the wgmma's rows are features)."""
-    rows, hidden, inter = plan.rows, plan.hidden, plan.intermediate
-    dtype = h.dtype
-    d_blocks = hidden // BLOCK_K
-    gate_up_ctas, splits, k_blocks = plan.gate_up_ctas, plan.splits, plan.k_blocks
-    down_ctas = plan.out_tiles * splits
-    gate_up_depth, down_depth, max_blocks = plan.gate_up_depth, plan.down_depth, plan.max_down_blocks
-    partial_swizzle = plgpu.find_swizzle(rows * 32)
-    partial_transforms = (plgpu.TilingTransform((8, partial_swizzle // 4)), plgpu.SwizzleTransform(partial_swizzle))
+def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str, plan: Schedule,
+                  profile_dir: str | None = None) -> jax.Array:
+    """x: [rows8, hidden] the residual rows (bf16, not normalised); norm_weight [hidden]; w_gate, w_up [I, hidden];
+    w_down [hidden, I]. Returns the down projection of ``act(gate(h)) * up(h)``, ``h = rmsnorm(x)``, in float32,
+    transposed: [hidden, rows8]. ``profile_dir``: write Mosaic GPU's trace of each CTA's phases there (a JSON file
+    per call)."""
+    R, D = plan.rows, plan.hidden
+    dtype = x.dtype
+    d_blocks, out_tiles = D // BLOCK_K, D // TILE
+    gd, dd, ctas = plan.gate_up_depth, plan.down_depth, plan.gate_up_ctas
+    col = plgpu.Layout.WGMMA_TRANSPOSED
+    per_feature, per_row = col.reduce(1), col.reduce(0)
+    part_swizzle = plgpu.find_swizzle(R * 32)
+    part_tf = (plgpu.TilingTransform((8, part_swizzle // 4)), plgpu.SwizzleTransform(part_swizzle))
 
-    def gate_up(p, h_gmem, wg_gmem, wu_gmem, y_gmem, counter, scratch):
-        (h_smem, w_smem, y_smem), (h_ready, w_ready) = scratch
+    def gate_up_down(p, x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, scratch):
+        (h_smem, w_smem, wd_smem, y_smem, out_smem, norm_smem), (h_ready, w_ready, wd_ready, norm_ready) = scratch
         row0 = p * TILE
 
         def issue(step):
-            slot = step % gate_up_depth
+            slot = step % gd
             cols = pl.ds(step * BLOCK_K, BLOCK_K)
             plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
-            plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot],
-                                    w_ready.at[gate_up_depth + slot])
+            plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot], w_ready.at[gd + slot])
 
-        for step in range(gate_up_depth):
-            issue(step)
+        def issue_down(t):
+            plgpu.copy_gmem_to_smem(wd_gmem.at[pl.ds(t * TILE, TILE), pl.ds(row0, TILE)], wd_smem.at[t % dd],
+                                    wd_ready.at[t % dd])
+
+        # the rows and the norm weight first: an SM's copies land roughly in issue order, and the norm waits on them
+        plgpu.copy_gmem_to_smem(norm_gmem, norm_smem, norm_ready.at[0])
         for c in range(d_blocks):
-            plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
+        for step in range(gd):
+            issue(step)
+        for t in range(dd):
+            issue_down(t)
+
+        def chunk(c):
+            return h_smem.at[c // 2, :, pl.ds((c % 2) * TILE, TILE)].transpose((1, 0))
+
+        with jax.named_scope("norm"):  # in place, 64 features at a time as [64, rows] (transposed views)
+            squares = None  # elementwise over the chunks; one cross-warp reduction at the end
+            for c in range(D // TILE):
+                if c % 2 == 0:
+                    plgpu.barrier_wait(h_ready.at[c // 2])
+                xc = plgpu.load(chunk(c), layout=col).astype(F32)
+                squares = xc * xc if squares is None else squares + xc * xc
+            scale = plgpu.layout_cast(lax.rsqrt(jnp.sum(squares, axis=0) / D + eps), per_row)
+            plgpu.barrier_wait(norm_ready.at[0])
+            for c in range(D // TILE):
+                xc = plgpu.load(chunk(c), layout=col).astype(F32)
+                weight = plgpu.load(norm_smem.at[c // 2, pl.ds((c % 2) * TILE, TILE)], layout=per_feature)
+                chunk(c)[...] = weight[:, None] * (xc * scale[None, :]).astype(dtype)
+            plgpu.commit_smem()
 
         def accumulate(acc_g, acc_u):
             def step_fn(step, _):
-                slot = step % gate_up_depth
-                plgpu.barrier_wait(h_ready.at[step])
+                slot = step % gd
                 plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[gate_up_depth + slot])
+                plgpu.barrier_wait(w_ready.at[gd + slot])
                 rhs = h_smem.at[step].transpose((1, 0))
                 plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
                 plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
-                plgpu.wgmma_wait(2)  # this step's pair may still run; the previous step's slot is free
+                plgpu.wgmma_wait(2)
 
-                @pl.when((step > 0) & (step - 1 + gate_up_depth < d_blocks))
+                @pl.when((step > 0) & (step - 1 + gd < d_blocks))
                 def _():
-                    issue(step - 1 + gate_up_depth)
+                    issue(step - 1 + gd)
 
             lax.fori_loop(0, d_blocks, step_fn, None)
             plgpu.wgmma_wait(0)
             return acc_g[...], acc_u[...]
 
-        g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, rows), F32), plgpu.ACC((TILE, rows), F32))
-        g = g.astype(dtype).astype(F32)
-        u = u.astype(dtype).astype(F32)
-        y = (_activation(act, g).astype(dtype).astype(F32) * u).astype(dtype)
-        # [64 features, rows] -> rows-major [rows, 64]: the down CTAs' wgmma B operand, as their TMA loads it
-        y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+        with jax.named_scope("gate_up"):
+            g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, R), F32), plgpu.ACC((TILE, R), F32))
+            g = g.astype(dtype).astype(F32)
+            u = u.astype(dtype).astype(F32)
+            y = (_activation(act, g).astype(dtype).astype(F32) * u).astype(dtype)
+            y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, col)
+            plgpu.commit_smem()
+
+        with jax.named_scope("wait_zero"):  # the accumulator is zeroed (release add after the stores completed)
+            plgpu.semaphore_wait(counter.at[0], 1, decrement=False, memory_scope="gpu")
+
+        def down_tile(t, _):
+            slot = t % dd
+
+            def one(acc):
+                plgpu.barrier_wait(wd_ready.at[slot])
+                plgpu.wgmma(acc, wd_smem.at[slot], y_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            part = pl.run_scoped(one, plgpu.ACC((TILE, R), F32))
+
+            @pl.when(t + dd < out_tiles)
+            def _():
+                issue_down(t + dd)
+
+            buf = t % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this buffer two tiles ago has read it
+            out_smem.at[buf][...] = part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[buf], acc_gmem.at[pl.ds(t * TILE, TILE)], reduction_op="add")
+
+        with jax.named_scope("down"):
+            lax.fori_loop(0, out_tiles, down_tile, None)
+            plgpu.wait_smem_to_gmem(0)
+
+    def zero(acc_gmem, counter, scratch):
+        (z_smem,), () = scratch
+        z_smem[...] = jnp.zeros((TILE, R), F32)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[:, pl.ds(row0, TILE)])
+        for t in range(out_tiles):
+            plgpu.copy_smem_to_gmem(z_smem, acc_gmem.at[pl.ds(t * TILE, TILE)])
         plgpu.wait_smem_to_gmem(0)
         plgpu.semaphore_signal(counter.at[0], 1, memory_scope="gpu")
 
-    def down(p, wd_gmem, y_gmem, part_gmem, counter, scratch):
-        (w_smem, y_smem, o_smem), (w_ready, y_ready) = scratch
-        unit = p - gate_up_ctas
-        out_tile, split = unit // splits, unit % splits
-        first, last = plan.k_range(split)
-        blocks = last - first
-
-        def issue(step):
-            slot = step % down_depth
-            plgpu.copy_gmem_to_smem(
-                wd_gmem.at[pl.ds(out_tile * TILE, TILE), pl.ds((first + step) * BLOCK_K, BLOCK_K)],
-                w_smem.at[slot], w_ready.at[slot])
-
-        for step in range(down_depth):
-            pl.when(step < blocks)(functools.partial(issue, step))
-        # every gate/up CTA has stored its tile of y (release add after its store completed)
-        plgpu.semaphore_wait(counter.at[0], gate_up_ctas, decrement=False, memory_scope="gpu")
-        for j in range(max_blocks):
-            pl.when(j < blocks)(lambda j=j: plgpu.copy_gmem_to_smem(
-                y_gmem.at[:, pl.ds((first + j) * BLOCK_K, BLOCK_K)], y_smem.at[j], y_ready.at[j]))
-
-        def accumulate(acc):
-            def step_fn(step, _):
-                slot = step % down_depth
-                plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.barrier_wait(y_ready.at[step])
-                plgpu.wgmma(acc, w_smem.at[slot], y_smem.at[step].transpose((1, 0)))
-                plgpu.wgmma_wait(1)
-
-                @pl.when((step > 0) & (step - 1 + down_depth < blocks))
-                def _():
-                    issue(step - 1 + down_depth)
-
-            lax.fori_loop(0, blocks, step_fn, None)
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        o_smem[...] = pl.run_scoped(accumulate, plgpu.ACC((TILE, rows), F32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, part_gmem.at[split, pl.ds(out_tile * TILE, TILE)])
-        plgpu.wait_smem_to_gmem(0)
-        # leave the counter at zero for the next call: the first down CTA resets it once all are past their wait
-        plgpu.semaphore_signal(counter.at[1], 1, memory_scope="gpu")
-
-        @pl.when(unit == 0)
-        def _():
-            plgpu.semaphore_wait(counter.at[1], down_ctas, memory_scope="gpu")
-            plgpu.semaphore_signal(counter.at[0], -gate_up_ctas, memory_scope="gpu")
-
-    def body(h_gmem, wg_gmem, wu_gmem, wd_gmem, part_gmem, y_gmem):
+    def body(x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem):
         p = lax.axis_index("p")
         counter = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
+        bf16 = functools.partial(plgpu.SMEM, dtype=dtype, transforms=_bf16_tiles())
 
-        @pl.when(p < gate_up_ctas)
+        @pl.when(p == 0)
+        def _():
+            pl.run_scoped(lambda *s: zero(acc_gmem, counter, s),
+                          (plgpu.SMEM((TILE, R), F32, transforms=part_tf),), ())
+
+        @pl.when(p > 0)
         def _():
             pl.run_scoped(
-                lambda *s: gate_up(p, h_gmem, wg_gmem, wu_gmem, y_gmem, counter, s),
-                (plgpu.SMEM((d_blocks, rows, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((2, gate_up_depth, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((rows, TILE), dtype, transforms=_bf16_tiles())),
-                (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * gate_up_depth)),
+                lambda *s: gate_up_down(p - 1, x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, s),
+                (bf16((d_blocks, R, BLOCK_K)), bf16((2, gd, TILE, BLOCK_K)), bf16((dd, TILE, TILE)),
+                 bf16((R, TILE)), plgpu.SMEM((2, TILE, R), F32, transforms=part_tf),
+                 plgpu.SMEM((d_blocks, BLOCK_K), dtype)),
+                (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * gd),
+                 plgpu.Barrier(num_barriers=dd), plgpu.Barrier(num_barriers=1)),
             )
 
-        @pl.when(p >= gate_up_ctas)
+        # leave the counters at zero for the next call: the last CTA resets them once every CTA is past its wait
+        plgpu.semaphore_signal(counter.at[1], 1, memory_scope="gpu")
+
+        @pl.when(p == ctas)
         def _():
-            pl.run_scoped(
-                lambda *s: down(p, wd_gmem, y_gmem, part_gmem, counter, s),
-                (plgpu.SMEM((down_depth, TILE, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((max_blocks, rows, BLOCK_K), dtype, transforms=_bf16_tiles()),
-                 plgpu.SMEM((TILE, rows), F32, transforms=partial_transforms)),
-                (plgpu.Barrier(num_barriers=down_depth), plgpu.Barrier(num_barriers=max_blocks)),
-            )
+            plgpu.semaphore_wait(counter.at[1], ctas + 1, memory_scope="gpu")
+            plgpu.semaphore_signal(counter.at[0], -1, memory_scope="gpu")
 
-    part, _ = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((splits, hidden, rows), F32), jax.ShapeDtypeStruct((rows, inter), dtype)),
-        grid=(plan.programs,),
-        grid_names=("p",),
-    )(h, w_gate, w_up, w_down)
-    return part
+    params = plgpu.CompilerParams(profile_space=16, profile_dir=profile_dir) if profile_dir else None
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((D, R), F32), grid=(plan.programs,), grid_names=("p",),
+                        compiler_params=params)(x, norm_weight.reshape(d_blocks, BLOCK_K), w_gate, w_up, w_down)
 
 
 def gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) -> str | None:
@@ -296,9 +291,9 @@ def gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) ->
 
 
 def gated_mlp_residual(x, norm_weight, eps, w_gate, w_up, w_down, act, *, sms: int | None = None):
-    """``apriel2_jax.ops.decode_fused.gated_mlp_residual`` (x + MLP(rmsnorm(x)), x [rows, hidden]) with the MLP
-    as one kernel; the norm before it and the partials' sum with the residual after it are XLA fusions. ``sms``:
-    the GPU's SM count (default: the first device's). Shapes the kernel does not take, and fewer than
+    """``apriel2_jax.ops.decode_fused.gated_mlp_residual`` (x + MLP(rmsnorm(x)), x [rows, hidden]) with the norm
+    and the MLP as one kernel; the rows' padding to 8 before it and the residual add after it are XLA fusions.
+    ``sms``: the GPU's SM count (default: the first device's). Shapes the kernel does not take, and fewer than
     ``MIN_ROWS`` rows, run the dispatched ``norm_gated_mlp`` and ``matmul_add`` instead."""
     plan = None
     if gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) is None and x.shape[0] >= MIN_ROWS:
@@ -306,6 +301,7 @@ def gated_mlp_residual(x, norm_weight, eps, w_gate, w_up, w_down, act, *, sms: i
     if plan is None:
         product = dispatch.op("norm_gated_mlp")(x, norm_weight, eps, w_gate, w_up, act)
         return dispatch.op("matmul_add")(product, w_down, x)
-    h = jnp.pad(rms_norm(x, norm_weight, eps), ((0, plan.rows - x.shape[0]), (0, 0)))
-    part = gated_mlp_partials(h, w_gate, w_up, w_down, act, plan)
-    return x + jnp.sum(part, axis=0)[:, : x.shape[0]].T.astype(x.dtype)
+    rows = x.shape[0]
+    down = gated_mlp_sum(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, w_gate, w_up, w_down, eps=eps,
+                         act=act, plan=plan)
+    return x + down[:, :rows].T.astype(x.dtype)

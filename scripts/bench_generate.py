@@ -145,8 +145,9 @@ def main(argv=None) -> int:
                     "apart) instead of the fused GEMV kernels of pallas_kernels/decode_gemv: their side-by-side "
                     "baseline")
     ap.add_argument("--decode-mlp-kernel", action="store_true",
-                    help="decode MLPs of 8-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
-                    "registered by default) instead of XLA's GEMMs; tensor-parallel rows keep the other path")
+                    help="decode MLPs of 2-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
+                    "registered by default) instead of XLA's GEMMs; one row and tensor-parallel rows keep the other "
+                    "path")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--sampler", action="store_true",

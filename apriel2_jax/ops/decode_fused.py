@@ -1,6 +1,5 @@
 """Decode-step chains that the GPU runs as single kernels (``pallas_kernels/decode_gemv.py``; the whole MLP in
-``pallas_kernels/decode_mlp.py`` and a block's second half in ``pallas_kernels/decode_block_tail.py``, not registered by
-default).
+``pallas_kernels/decode_mlp.py``, not registered by default).
 
 A decode step reads each weight once for a handful of rows, so its time is the kernels' launches and tails as much
 as their bytes: an attention layer ran 13 kernels at one row (two norms of two kernels each, separate Q/K/V
@@ -11,9 +10,7 @@ fuse, built from the same ops the modules use, so each kernel has an oracle with
   the fused decode attention kernel takes them in one buffer);
 - ``norm_gated_mlp``: post-attention RMSNorm and the gated MLP's gate/up projections with the activation product;
 - ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down);
-- ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``);
-- ``out_proj_mlp_residual``: a block's second half, the mixer's output projection added to the residual stream
-  and then the gated MLP with its norm and residual add.
+- ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``).
 
 Rows are sequences ([S, D], one token each). The modules use the fused forms only where a kernel is registered
 (``dispatch.kernel``); elsewhere they run the unfused chain, which these functions reproduce exactly.
@@ -61,12 +58,3 @@ def gated_mlp_residual(
     """x: [S, D]; w_gate, w_up: [I, D]; w_down: [D, I]. ``x + down(act(gate(rmsnorm(x))) * up(rmsnorm(x)))``: the
     residual stream after the block's MLP."""
     return matmul_add(norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act), w_down, x)
-
-
-def out_proj_mlp_residual(
-    a: jax.Array, x: jax.Array, w_o: jax.Array, norm_weight: jax.Array, eps: float, w_gate: jax.Array,
-    w_up: jax.Array, w_down: jax.Array, act: str,
-) -> jax.Array:
-    """a: [S, K] the mixer's output; x: [S, D] the residual stream; w_o: [D, K]. ``x1 = x + a @ w_o.T``, then
-    ``gated_mlp_residual(x1)``: the residual stream after the block."""
-    return gated_mlp_residual(matmul_add(a, w_o, x), norm_weight, eps, w_gate, w_up, w_down, act)

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The persistent decode MLP kernel (``pallas_kernels/decode_mlp``) against the paths the engine runs without it.
+
+    python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
+                                       [--json PATH]
+
+First the kernel's output against the jnp oracle (``ops.decode_fused.gated_mlp_residual``) at each row count
+(exit status 1 on a mismatch beyond one bf16 rounding of the projection and one of the add). Then ``--layers``
+MLPs of random bf16 weights chained (each layer's output the next one's input, so every call waits on the one
+before; ``benchmarking.time_looped``), µs per layer, each path twice in alternating order:
+
+- **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add`` (the decode
+  GEMV kernels where they take the rows, XLA's GEMMs above);
+- **xla**: the jnp chain, compiled by XLA alone;
+- **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
+
+TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
+kernel's per-CTA phases from Mosaic GPU's profiler (µs from the first CTA's first event; the profiler's own
+overhead included), one call after warm-up.
+
+Needs a GPU (Mosaic GPU kernels do not run on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels  # noqa: E402,F401  (registers the GPU kernels)
+from apriel2_jax import dispatch  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
+from apriel2_jax.ops import decode_fused  # noqa: E402
+from pallas_kernels import decode_mlp  # noqa: E402
+
+F32 = jnp.float32
+EPS = 1e-5
+
+
+def mlp_weights(seed: int, hidden: int, inter: int):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    bf = jnp.bfloat16
+    norm = (1 + 0.1 * jax.random.normal(k[0], (hidden,))).astype(bf)
+    gate, up = [(0.03 * jax.random.normal(kk, (inter, hidden))).astype(bf) for kk in k[1:3]]
+    down = (0.03 * jax.random.normal(k[3], (hidden, inter))).astype(bf)
+    return norm, gate, up, down
+
+
+def dispatched(x, norm, gate, up, down):
+    product = dispatch.op("norm_gated_mlp")(x, norm, EPS, gate, up, "silu")
+    return dispatch.op("matmul_add")(product, down, x)
+
+
+def xla(x, norm, gate, up, down):
+    return decode_fused.gated_mlp_residual(x, norm, EPS, gate, up, down, "silu")
+
+
+_kernel = dispatch.lowered_once(decode_mlp.gated_mlp_residual)  # lowered once, as the dispatch point would
+
+
+def kernel(x, norm, gate, up, down):
+    return _kernel(x, norm, EPS, gate, up, down, "silu")
+
+
+def check(rows: int, weights, hidden: int) -> dict:
+    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+    want = jax.jit(xla)(x, *weights).astype(F32)
+    got = jax.jit(kernel)(x, *weights).astype(F32)
+    err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
+    return dict(rows=rows, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4), ok=err <= 2 ** -6 * scale)
+
+
+def phases(rows: int, weights, hidden: int) -> list[dict]:
+    """Per-phase begin and end (median and last CTA) of one profiled call."""
+    plan = decode_mlp.schedule(rows, hidden, weights[1].shape[0], jax.devices()[0].core_count)
+    out_dir = tempfile.mkdtemp()
+    fn = jax.jit(lambda x, *w: decode_mlp.gated_mlp_sum(x, *w, eps=EPS, act="silu", plan=plan,
+                                                         profile_dir=out_dir))
+    x = jnp.full((plan.rows, hidden), 0.1, jnp.bfloat16)
+    for _ in range(5):
+        out = fn(x, *weights)
+    jax.block_until_ready(out)
+    events = json.load(open(sorted(glob.glob(os.path.join(out_dir, "*.json")))[-1]))["traceEvents"]
+    t0 = min(e["ts"] for e in events)
+    spans, open_at = {}, {}
+    for e in events:
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_at[key] = e["ts"] - t0
+        else:
+            spans.setdefault(e["name"], []).append((open_at.pop(key), e["ts"] - t0))
+    rows_out = []
+    for name, s in spans.items():
+        begin, end = np.array([b for b, _ in s]), np.array([e for _, e in s])
+        rows_out.append(dict(rows=rows, phase=name, ctas=len(s), begin_median_us=round(float(np.median(begin)), 2),
+                             end_median_us=round(float(np.median(end)), 2), end_last_us=round(float(end.max()), 2)))
+    return rows_out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=896, help="default: the 0.5B geometry")
+    ap.add_argument("--intermediate", type=int, default=4864)
+    ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_decode_mlp needs a GPU: Mosaic GPU kernels have no CPU path.", file=sys.stderr)
+        return 2
+    hidden, inter = args.hidden, args.intermediate
+    for rows in args.rows:
+        if decode_mlp.schedule(rows, hidden, inter, jax.devices()[0].core_count) is None:
+            raise SystemExit(f"--rows {rows}: the kernel has no schedule for [{hidden} -> {inter}] on this GPU")
+    device = jax.devices()[0].device_kind
+    bandwidth = hbm_bandwidth()
+    mbytes = 3 * hidden * inter * 2 / 1e6
+    print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers of [{hidden} -> {inter}] "
+          f"({mbytes:.1f} MB of weights each)", flush=True)
+    layers = [mlp_weights(seed, hidden, inter) for seed in range(args.layers)]
+    checks = [check(rows, layers[0], hidden) for rows in args.rows]
+    print_rows(checks)
+    if not all(c["ok"] for c in checks):
+        return 1
+
+    def chain(path):
+        def step(weights, x):
+            for w in weights:
+                x = path(x, *w)
+            return x
+        return step
+
+    rows_out = []
+    paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
+    for rows in args.rows:
+        for name, path in paths + paths[:2]:
+            x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+            seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
+            us = seconds / args.layers * 1e6
+            rows_out.append(dict(device=device, rows=rows, path=name, us_per_layer=round(us, 2),
+                                 tb_s=round(mbytes / us, 2), pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
+            print(f"rows {rows} {name}: {us:.2f} µs per layer", flush=True)
+    if args.profile:
+        profile_rows = [r for rows in args.rows for r in phases(rows, layers[0][:4], hidden)]
+        print_rows(profile_rows)
+    print_rows(rows_out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
