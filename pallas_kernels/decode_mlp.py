@@ -9,7 +9,7 @@ start, a first-load latency and a tail, with the intermediate product going thro
 
 Design. CTA ``p + 1`` owns intermediate features [64p, 64p + 64). It issues, in this order, TMA loads of the rows
 and the norm weight, of its first (gate, up) weight block pairs ([64, 128] each) and of its first down-projection
-blocks (the [64 output features, 64] blocks of ``w_down``'s columns for its features): an SM's copies land
+blocks (the [128 output features, 64] blocks of ``w_down``'s columns for its features): an SM's copies land
 roughly in issue order, and the norm waits on the rows. It normalises the rows in SMEM as ``ops.norms.rms_norm``
 rounds (fp32 statistics, cast, times the weight), runs the gate/up blocks as wgmma A operands against them (the
 rows, padded to 8, are the N dimension, so few rows cost no padding to 64), rounds, applies the activation in
@@ -24,14 +24,15 @@ of the sum (bf16 ulps of the projection, rarely).
 
 Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it where
 a GPU is present) but not registered: in the engine it is within the noise of what runs without it
-(``bench_generate.py --decode-mlp-kernel``; 0.5B, H200, 2026-11-27, two processes each: all-attention B=32 1.117,
-1.120 ms against 1.137, 1.137, B=8 0.893, 0.897 against 0.894, 0.897; a12-g1-k11 B=32 1.274, 1.312 against 1.299,
-1.293, B=8 1.082, 1.107 against 1.074, 1.078). Alone, 24 layers of 0.5B weights chained (same day, µs per layer,
-the padding and the residual add included): 15.5 against the GEMV kernels' 13.4 at one row, 15.2-15.3 against the
-dispatched XLA chain's 17.4-17.6 at 8 rows, 19.1-20.5 against 24.3-24.8 at 32; in the engine XLA fuses the MLP's
-norm into the fusion before it and runs the rest in ~20 µs at 32 rows (trace, docs/BENCHMARKS.md), about this
-kernel's time. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB
-of gate/up, 112 KB of down) at ~25-40 GB/s, one SM's rate through its TMA ring, on 76 of the 132 SMs.
+(``bench_generate.py --decode-mlp-kernel``; 0.5B, H200, 2026-11-27, two processes each, ms per step: all-attention
+B=8 0.863, 0.856 against 0.884, 0.874; B=16 0.983, 0.974 against 0.971, 0.968; B=32 1.148, 1.144 against 1.135,
+1.137; a12-g1-k11 B=8 1.056, 1.043 against 1.058, 1.055; B=32 1.319, 1.308 against 1.305, 1.304). Alone, 24 layers
+of 0.5B weights chained (as ``scripts/bench_decode_mlp.py`` chains them, same day, µs per layer, the padding and the residual add
+included): 14.1-14.2 against the dispatched XLA chain's 16.7-17.3 at 8 rows, 16.4-16.5 against 18.9-19.5 at 16,
+20.5-21.2 against 22.0-22.4 at 32, and 14.4-14.8 against the GEMV kernels' 13.2-13.5 at one row. In the engine XLA
+fuses the MLP's norm into the fusion before it, and the kernel's output needs a transposing add after it (2.1 µs
+per layer in a trace of the first version at 32 rows): together about the gap. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB of
+gate/up, 112 KB of down) at ~25-40 GB/s, one SM's rate through its TMA ring, on 76 of the 132 SMs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ BLOCK_K = 128  # input width of the gate/up loads: [64, 128] bf16 blocks (16 KB)
 MAX_ROWS = 32
 MIN_ROWS = 2  # one row takes the dispatched norm_gated_mlp and matmul_add (decode_gemv's kernels on the GPU)
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
-DOWN_DEPTH = 4  # ring stages of [64, 64] down blocks; the rest of the SMEM goes to (gate, up) stages
+DOWN_DEPTH = 4  # ring stages of [128, 64] down blocks; the rest of the SMEM goes to (gate, up) stages
 _SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of every bf16 SMEM block
 ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu", "gelu_pytorch_tanh")
 
@@ -67,7 +68,7 @@ class Schedule:
     hidden: int
     intermediate: int
     gate_up_depth: int  # ring stages of (gate, up) block pairs
-    down_depth: int  # ring stages of down blocks
+    down_depth: int  # ring stages of down blocks (two 64-feature output tiles each)
 
     @property
     def gate_up_ctas(self) -> int:
@@ -79,12 +80,12 @@ class Schedule:
 
     def smem_bytes(self) -> int:
         """What a feature CTA allocates: the rows (normalised in place), the norm weight, the product tile, two
-        float32 output tiles, the weight stages."""
-        fixed = self.rows * self.hidden * 2 + self.hidden * 2 + self.rows * TILE * 2 + 2 * TILE * self.rows * 4
-        return fixed + self.gate_up_depth * 2 * TILE * BLOCK_K * 2 + self.down_depth * TILE * TILE * 2
+        float32 output blocks, the weight stages."""
+        fixed = self.rows * self.hidden * 2 + self.hidden * 2 + self.rows * TILE * 2 + 2 * 2 * TILE * self.rows * 4
+        return fixed + self.gate_up_depth * 2 * TILE * BLOCK_K * 2 + self.down_depth * 2 * TILE * TILE * 2
 
 
-def schedule(rows: int, hidden: int, intermediate: int, sms: int) -> Schedule | None:
+def schedule(rows: int, hidden: int, intermediate: int, sms: int, down_depth: int = DOWN_DEPTH) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of a [hidden -> intermediate -> hidden] MLP on ``sms`` SMs, or None
     where it does not fit (hidden width not a multiple of 128 or wider than 256 such blocks, intermediate width not
     a multiple of 64, more than ``MAX_ROWS`` rows, more CTAs than SMs, SMEM). Plain Python: the entry decides with
@@ -94,12 +95,14 @@ def schedule(rows: int, hidden: int, intermediate: int, sms: int) -> Schedule | 
     rows8 = -(-rows // 8) * 8
     if intermediate // TILE + 1 > sms:
         return None
-    down_depth = min(hidden // TILE, DOWN_DEPTH)
-    room = SMEM_BYTES - Schedule(rows8, hidden, intermediate, 0, down_depth).smem_bytes()
-    gate_up_depth = min(hidden // BLOCK_K, room // (2 * TILE * BLOCK_K * 2))
-    if gate_up_depth < 1:
-        return None
-    return Schedule(rows8, hidden, intermediate, gate_up_depth, down_depth)
+    # the gate/up loop refills a stage one step after reading it, so it needs two stages (or one block in all):
+    # give down stages back until they fit
+    for dd in range(min(hidden // (2 * TILE), down_depth), 0, -1):
+        room = SMEM_BYTES - Schedule(rows8, hidden, intermediate, 0, dd).smem_bytes()
+        gate_up_depth = min(hidden // BLOCK_K, room // (2 * TILE * BLOCK_K * 2))
+        if gate_up_depth >= min(2, hidden // BLOCK_K):
+            return Schedule(rows8, hidden, intermediate, gate_up_depth, dd)
+    return None
 
 
 def _activation(name: str, g: jax.Array) -> jax.Array:
@@ -129,7 +132,7 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
     per call)."""
     R, D = plan.rows, plan.hidden
     dtype = x.dtype
-    d_blocks, out_tiles = D // BLOCK_K, D // TILE
+    d_blocks, out_tiles, down_blocks = D // BLOCK_K, D // TILE, D // (2 * TILE)
     gd, dd, ctas = plan.gate_up_depth, plan.down_depth, plan.gate_up_ctas
     col = plgpu.Layout.WGMMA_TRANSPOSED
     per_feature, per_row = col.reduce(1), col.reduce(0)
@@ -146,9 +149,9 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
             plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
             plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot], w_ready.at[gd + slot])
 
-        def issue_down(t):
-            plgpu.copy_gmem_to_smem(wd_gmem.at[pl.ds(t * TILE, TILE), pl.ds(row0, TILE)], wd_smem.at[t % dd],
-                                    wd_ready.at[t % dd])
+        def issue_down(j):  # output features [128j, 128j + 128) of this CTA's 64 columns of w_down
+            plgpu.copy_gmem_to_smem(wd_gmem.at[pl.ds(j * 2 * TILE, 2 * TILE), pl.ds(row0, TILE)],
+                                    wd_smem.at[j % dd], wd_ready.at[j % dd])
 
         # the rows and the norm weight first: an SM's copies land roughly in issue order, and the norm waits on them
         plgpu.copy_gmem_to_smem(norm_gmem, norm_smem, norm_ready.at[0])
@@ -156,8 +159,8 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
             plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
         for step in range(gd):
             issue(step)
-        for t in range(dd):
-            issue_down(t)
+        for j in range(dd):
+            issue_down(j)
 
         def chunk(c):
             return h_smem.at[c // 2, :, pl.ds((c % 2) * TILE, TILE)].transpose((1, 0))
@@ -206,8 +209,8 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
         with jax.named_scope("wait_zero"):  # the accumulator is zeroed (release add after the stores completed)
             plgpu.semaphore_wait(counter.at[0], 1, decrement=False, memory_scope="gpu")
 
-        def down_tile(t, _):
-            slot = t % dd
+        def down_block(j):
+            slot = j % dd
 
             def one(acc):
                 plgpu.barrier_wait(wd_ready.at[slot])
@@ -215,20 +218,19 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
                 plgpu.wgmma_wait(0)
                 return acc[...]
 
-            part = pl.run_scoped(one, plgpu.ACC((TILE, R), F32))
-
-            @pl.when(t + dd < out_tiles)
-            def _():
-                issue_down(t + dd)
-
-            buf = t % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this buffer two tiles ago has read it
+            part = pl.run_scoped(one, plgpu.ACC((2 * TILE, R), F32))
+            if j + dd < down_blocks:
+                issue_down(j + dd)
+            buf = j % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this buffer two blocks ago has read it
             out_smem.at[buf][...] = part
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[buf], acc_gmem.at[pl.ds(t * TILE, TILE)], reduction_op="add")
+            plgpu.copy_smem_to_gmem(out_smem.at[buf], acc_gmem.at[pl.ds(j * 2 * TILE, 2 * TILE)],
+                                    reduction_op="add")
 
         with jax.named_scope("down"):
-            lax.fori_loop(0, out_tiles, down_tile, None)
+            for j in range(down_blocks):
+                down_block(j)
             plgpu.wait_smem_to_gmem(0)
 
     def zero(acc_gmem, counter, scratch):
@@ -254,8 +256,8 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
         def _():
             pl.run_scoped(
                 lambda *s: gate_up_down(p - 1, x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, s),
-                (bf16((d_blocks, R, BLOCK_K)), bf16((2, gd, TILE, BLOCK_K)), bf16((dd, TILE, TILE)),
-                 bf16((R, TILE)), plgpu.SMEM((2, TILE, R), F32, transforms=part_tf),
+                (bf16((d_blocks, R, BLOCK_K)), bf16((2, gd, TILE, BLOCK_K)), bf16((dd, 2 * TILE, TILE)),
+                 bf16((R, TILE)), plgpu.SMEM((2, 2 * TILE, R), F32, transforms=part_tf),
                  plgpu.SMEM((d_blocks, BLOCK_K), dtype)),
                 (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * gd),
                  plgpu.Barrier(num_barriers=dd), plgpu.Barrier(num_barriers=1)),

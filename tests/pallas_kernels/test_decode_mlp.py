@@ -44,8 +44,16 @@ def test_schedule_stays_within_shared_memory(rows):
     # the next (gate, up) stage would not fit
     bigger = decode_mlp.Schedule(plan.rows, 896, 4864, plan.gate_up_depth + 1, plan.down_depth)
     assert plan.gate_up_depth == 896 // decode_mlp.BLOCK_K or bigger.smem_bytes() > decode_mlp.SMEM_BYTES
-    assert plan.gate_up_depth >= 1 and plan.down_depth >= 1
+    # the gate/up loop refills a stage a step after reading it: one stage of seven blocks would deadlock
+    assert plan.gate_up_depth >= 2 and plan.down_depth >= 1
     assert plan.rows == -(-rows // 8) * 8
+
+
+def test_schedule_gives_down_stages_back_for_a_second_gate_up_stage():
+    full = decode_mlp.Schedule(32, 896, 4864, 1, decode_mlp.DOWN_DEPTH)
+    assert full.smem_bytes() + 2 * 64 * 128 * 2 * 1 > decode_mlp.SMEM_BYTES  # DOWN_DEPTH leaves room for one
+    plan = decode_mlp.schedule(32, 896, 4864, 132)
+    assert plan.down_depth < decode_mlp.DOWN_DEPTH and plan.gate_up_depth >= 2
 
 
 @pytest.mark.parametrize("rows, hidden, inter, sms, why", [
