@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="prefill token budget (default: max chunk)")
     ap.add_argument("--max-prefill-rows", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len (default: prompt + output + one page, the least that serves them; "
+                    "a served model's is usually its max_position_embeddings)")
     ap.add_argument("--no-chain-decode", dest="chain_decode", action="store_false",
                     help="read every decode dispatch before queueing the next (the engine's chaining off)")
     ap.add_argument("--no-chain-prefill", dest="chain_prefill", action="store_false",
@@ -227,7 +230,7 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
     dtype_bytes = np.dtype(dtype).itemsize
     device = jax.devices()[0]
 
-    max_len = args.prompt_len + args.output_len + args.page_size
+    max_len = args.max_model_len or args.prompt_len + args.output_len + args.page_size
     batches = sorted(set(args.batch))
     engine = {} if args.defaults else dict(
         max_num_batched_tokens=args.max_batched_tokens or args.max_chunk,

@@ -27,6 +27,21 @@ class RequestBlocks:
     slot: int = SINK
 
 
+# A decode step's block tables span the widest row's pages, rounded up to a power of two of at least this many
+# tokens, not max_model_len: the decode attention kernel sizes its K-splits (and the merge of their partials) by the
+# table's span. With full-width tables, the 0.5B geometry's default max_model_len (262144) made an all-attention
+# decode step at context 1024 and one row take 0.87 ms, fitted 0.72 (H200, 2026-11-27; docs/BENCHMARKS.md).
+# Powers of two bound the decode shapes compiled to ~log2(max_model_len / this).
+MIN_FITTED_TABLE_TOKENS = 1024
+
+
+def fitted_table_width(pages: int, full_width: int, page_size: int) -> int:
+    """The block-table width for a step whose widest row holds ``pages`` pages: the smallest power of two at least
+    that and ``MIN_FITTED_TABLE_TOKENS`` tokens' worth, capped at ``full_width`` (the family's widest table)."""
+    want = max(pages, -(-MIN_FITTED_TABLE_TOKENS // page_size), 1)
+    return min(1 << (want - 1).bit_length(), full_width)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTables:
     """Everything the jitted step reads from the manager, for all layers at once."""
@@ -118,11 +133,17 @@ class CacheManager:
         return self._requests[request_id]
 
     # ------------------------------------------------------------------------------------------------------------
-    def build_step_tables(self, request_ids: Sequence[Hashable | None], rows: int) -> StepTables:
+    def build_step_tables(self, request_ids: Sequence[Hashable | None], rows: int, fit: bool = False) -> StepTables:
         """Block tables, first pages and slots for the rows of one step (None or missing rows are padding:
-        sink tables, sink slot). Built once per step and shared by every layer."""
+        sink tables, sink slot). Built once per step and shared by every layer. ``fit``: each family's tables are
+        ``fitted_table_width`` wide for its widest row (else the family's full width)."""
         self.metadata_builds += 1
-        tables = {f: np.zeros((rows, self.plan.table_width[f]), np.int32) for f in self.pools}
+        widths = dict(self.plan.table_width)
+        if fit:
+            for family in self.pools:
+                most = max((len(self._requests[r].tables[family]) for r in request_ids if r is not None), default=0)
+                widths[family] = fitted_table_width(most, widths[family], self.plan.page_size)
+        tables = {f: np.zeros((rows, widths[f]), np.int32) for f in self.pools}
         first = {f: np.zeros((rows,), np.int32) for f in self.pools}
         slots = np.zeros((rows,), np.int32)
         for row, request_id in enumerate(request_ids):

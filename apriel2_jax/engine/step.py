@@ -181,7 +181,9 @@ def build_inputs(
     dispatch, the tokens that dispatch generates for it)``. The row's token then comes from that dispatch, on the
     device."""
     rows, width = shape
-    tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows)
+    # decode tables span the rows' pages (see cache_manager.MIN_FITTED_TABLE_TOKENS); a prefill step's attention
+    # does not size its work by the table, and a width per context would multiply its (slower) compilations
+    tables = cache.build_step_tables([row.request.request_id for row in step.rows], rows, fit=width == 1)
     layout = StepLayout(width, tuple((f, t.shape[1]) for f, t in tables.tables.items()))
     col = layout.columns
     ints = np.zeros((rows, layout.width), np.int32)
@@ -459,6 +461,8 @@ class StepRunner:
         if self.compilations > compilations and self.log is not None:  # this call traced (and compiled) a shape
             width = inputs.layout.tokens
             what = f"decode rows={rows} steps={decode_steps}" if width == 1 else f"prefill rows={rows} tokens={width}"
+            if width == 1 and inputs.layout.table_widths:
+                what += ", tables " + " ".join(f"{f}={w}" for f, w in inputs.layout.table_widths)
             if width == 1 and decode_steps > 1 and not stop_checks:
                 what += ", no stop checks"
             filters = ", top-k/top-p sampler" if inputs.filters else ""

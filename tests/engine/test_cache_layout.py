@@ -4,13 +4,14 @@ import math
 import os
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from apriel2_jax.config import load_config
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache
-from apriel2_jax.engine.cache_manager import CacheManager
+from apriel2_jax.engine.cache_manager import MIN_FITTED_TABLE_TOKENS, CacheManager, fitted_table_width
 from apriel2_jax.modules import Apriel2ForCausalLM
 from apriel2_jax.placement import load_placements, resolve_placement
 from tests.conftest import REPO
@@ -93,6 +94,38 @@ def test_one_metadata_build_per_step_for_all_layers(config_05b):
     assert (step.slots[3:] == 0).all() and len(set(step.slots[:3])) == 3 and (step.slots[:3] > 0).all()
     assert (step.tables["full"][3:] == 0).all()
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("pages, full, page_size, want", [
+    (0, 4096, 16, 1024 // 16),  # at least MIN_FITTED_TABLE_TOKENS
+    (64, 4096, 16, 64),
+    (65, 4096, 16, 128),  # the next power of two
+    (73, 4096, 16, 128),
+    (3000, 4096, 16, 4096),
+    (3000, 3500, 16, 3500),  # never past the family's full width
+    (10, 30, 4, 30),
+    (1, 8, 2048, 1),
+])
+def test_fitted_table_width(pages, full, page_size, want):
+    assert MIN_FITTED_TABLE_TOKENS == 1024
+    assert fitted_table_width(pages, full, page_size) == want
+
+
+def test_decode_tables_fit_the_widest_row_and_keep_every_page(config_05b):
+    layout = cache_layout(config_05b, _placement(config_05b, "a12-g1-k11"), 2)
+    plan = plan_cache(layout, budget_bytes=2**30, page_size=16, max_num_seqs=4, max_model_len=65536, max_chunk=256)
+    manager = CacheManager(layout, plan)
+    for i, tokens in enumerate((100, 2000, 1500)):
+        assert manager.try_allocate(i, 0, tokens)
+    full = manager.build_step_tables([0, 1, 2, None], rows=4)
+    fitted = manager.build_step_tables([0, 1, 2, None], rows=4, fit=True)
+    assert full.tables["full"].shape == (4, 65536 // 16)
+    assert fitted.tables["full"].shape == (4, 128)  # 2000 tokens: 125 pages
+    np.testing.assert_array_equal(fitted.tables["full"], full.tables["full"][:, :128])
+    assert not full.tables["full"][:, 128:].any()
+    np.testing.assert_array_equal(fitted.slots, full.slots)
+    assert manager.build_step_tables([0, None], rows=2, fit=True).tables["full"].shape == (2, 64)
+    assert manager.build_step_tables([], rows=2, fit=True).tables["full"].shape == (2, 64)
 
 
 @pytest.mark.parametrize(

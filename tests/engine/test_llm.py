@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from apriel2_jax.engine import cache_manager
 from apriel2_jax.engine.cache_layout import cache_layout, plan_cache
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
@@ -509,6 +510,26 @@ def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
     assert llm.runner.compilations == 5  # the prefill shape, once
     assert [line for line in lines if line.startswith("compiled step")] == [
         lines[-1]] and "prefill rows=4 tokens=8" in lines[-1]
+
+
+def test_decode_tables_grow_with_the_context_and_give_the_same_tokens(hybrid, monkeypatch):
+    """A decode step's block tables span its rows' pages in power-of-two widths, not max_model_len: the same
+    tokens and log-probabilities as full-width tables while the context crosses several widths (attention and a
+    sliding window), each width compiled when first needed."""
+    case, model, _ = hybrid
+    prompts = [[5, 9, 13], [int(t) for t in case.input_ids[0, :6]]]
+    params = SamplingParams(temperature=0.7, seed=11, max_new_tokens=24, ignore_eos=True, logprobs=True)
+    # SMALL's max_model_len of 32 tokens is 8 pages of 4, under MIN_FITTED_TABLE_TOKENS: full-width tables
+    full = _engine(hybrid, decode_steps=2).generate(prompts, params)
+    monkeypatch.setattr(cache_manager, "MIN_FITTED_TABLE_TOKENS", 4)
+    lines = []
+    llm = _engine(hybrid, decode_steps=2, step_runner=StepRunner(model, log=lines.append), log=lines.append)
+    fitted = llm.generate(prompts, params)
+    for a, b in zip(full, fitted):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    widths = [line.split("tables ")[1] for line in lines if line.startswith("compiled step (decode")]
+    assert len(widths) == len(set(widths)) >= 3, widths  # e.g. full=2, full=4, full=8 (and the window's)
 
 
 def test_compile_steps_compiles_the_shapes_asked_for_and_rejects_others(hybrid):
