@@ -38,6 +38,9 @@ elif [ "$part" = engine05b ]; then
   gen="python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --defaults"
   step engine_05b 420 $gen --placement all-attention every2-kda a12-g1-k11 pure-gdn --batch 1 32 \
     --prompt-len 1024 --output-len 128 --prefill-batch 32 --json "$out/engine_05b.jsonl"
+  # The same decode at the model's own max_model_len (the LLM default): block tables fitted to the context.
+  step engine_05b_long 240 $gen --placement all-attention a12-g1-k11 --batch 1 32 --prompt-len 1024 \
+    --output-len 128 --prefill-batch 1 --max-model-len 262144 --json "$out/engine_05b_long.jsonl"
   # First token with defaults (a12-g1-k11 compiled slowest): start_up_s + first_prefill_s, cold then warm cache.
   rm -rf "$out/xla_cache"
   for state in cold warm; do
