@@ -22,16 +22,17 @@ The caller rounds the sum to the dtype (the projection) and adds it to the resid
 The float32 adds of the 76 CTAs (0.5B) land in no fixed order, so outputs can differ between calls by a rounding
 of the sum (bf16 ulps of the projection, rarely).
 
-Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it where
-a GPU is present) but not registered: in the engine it is within the noise of what runs without it
+Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it
+where a GPU is present) but not registered: in the engine it is within the noise of what runs without it
 (``bench_generate.py --decode-mlp-kernel``; 0.5B, H200, 2026-11-27, two processes each, ms per step: all-attention
 B=8 0.863, 0.856 against 0.884, 0.874; B=16 0.983, 0.974 against 0.971, 0.968; B=32 1.148, 1.144 against 1.135,
 1.137; a12-g1-k11 B=8 1.056, 1.043 against 1.058, 1.055; B=32 1.319, 1.308 against 1.305, 1.304). Alone, 24 layers
-of 0.5B weights chained (as ``scripts/bench_decode_mlp.py`` chains them, same day, µs per layer, the padding and the residual add
-included): 14.1-14.2 against the dispatched XLA chain's 16.7-17.3 at 8 rows, 16.4-16.5 against 18.9-19.5 at 16,
-20.5-21.2 against 22.0-22.4 at 32, and 14.4-14.8 against the GEMV kernels' 13.2-13.5 at one row. In the engine XLA
-fuses the MLP's norm into the fusion before it, and the kernel's output needs a transposing add after it (2.1 µs
-per layer in a trace of the first version at 32 rows): together about the gap. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB of
+of 0.5B weights chained (as ``scripts/bench_decode_mlp.py`` chains them, same day, µs per layer, the padding and
+the residual add included): 14.1-14.2 against the dispatched XLA chain's 16.7-17.3 at 8 rows, 16.4-16.5 against
+18.9-19.5 at 16, 20.5-21.2 against 22.0-22.4 at 32, and 14.4-14.8 against the GEMV kernels' 13.2-13.5 at one row.
+In the engine XLA fuses the MLP's norm into the fusion before it, and the kernel's output needs a transposing add
+after it (2.1 µs per layer in a trace of the first version at 32 rows): the likely difference, not traced with
+this version. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB of
 gate/up, 112 KB of down) at ~25-40 GB/s, one SM's rate through its TMA ring, on 76 of the 132 SMs.
 """
 

@@ -158,10 +158,10 @@ class LLM:
         reading the current one while no request decodes (module docstring). ``warm_up``: which step shapes to
         compile before serving: "few" (decode at one row and at ``max_num_seqs`` rows), "all" or "none"; the
         others compile when first needed, as do decode steps whose rows' context needs block tables wider than
-        the first width (``cache_manager.fitted_table_width``). ``compilation_cache``: directory of the persistent compilation cache
-        (None: the per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it). ``step_runner``: share
-        compiled steps with another engine over the same model (e.g. to compare scheduler settings without
-        recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
+        the first width (``cache_manager.fitted_table_width``). ``compilation_cache``: directory of the persistent
+        compilation cache (None: the per-user default, see ``apriel2_jax.compilation_cache``; "off" disables it).
+        ``step_runner``: share compiled steps with another engine over the same model (e.g. to compare scheduler
+        settings without recompiling). ``tensor_parallel``: split the model over that many devices (``apriel2_jax.sharding``);
         pages and state slots are split the same way and the cache budget is per device.
         ``enable_prefix_caching``: keep computed attention pages and recurrent-state snapshots for requests that
         share a prefix (``engine/prefix_cache.py``); snapshots take up to ``snapshot_memory_fraction`` of the

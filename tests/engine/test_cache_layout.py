@@ -4,8 +4,8 @@ import math
 import os
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
