@@ -51,7 +51,8 @@ def test_schedule_stays_within_shared_memory(rows):
 
 def test_schedule_gives_down_stages_back_for_a_second_gate_up_stage():
     full = decode_mlp.Schedule(32, 896, 4864, 1, decode_mlp.DOWN_DEPTH)
-    assert full.smem_bytes() + 2 * 64 * 128 * 2 * 1 > decode_mlp.SMEM_BYTES  # DOWN_DEPTH leaves room for one
+    gate_up_stage = 2 * decode_mlp.TILE * decode_mlp.BLOCK_K * 2  # a (gate, up) pair of bf16 blocks
+    assert full.smem_bytes() + gate_up_stage > decode_mlp.SMEM_BYTES  # DOWN_DEPTH leaves room for one
     plan = decode_mlp.schedule(32, 896, 4864, 132)
     assert plan.down_depth < decode_mlp.DOWN_DEPTH and plan.gate_up_depth >= 2
 
