@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from apriel2_jax import dispatch
+from apriel2_jax.ops.norms import rms_norm
 
 F32 = jnp.float32
 TILE = 64  # wgmma's M: weight rows per tile, and the intermediate features of one CTA
@@ -57,6 +58,12 @@ MAX_ROWS = 32
 MIN_ROWS = 2  # one row takes the dispatched norm_gated_mlp and matmul_add (decode_gemv's kernels on the GPU)
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
 DOWN_DEPTH = 4  # ring stages of [128, 64] down blocks; the rest of the SMEM goes to (gate, up) stages
+DOWN_ISSUE_STEP = None  # the gate/up step before which the first down loads are issued (0: before the loop; None:
+# after the last gate/up load, as an SM's copies land in issue order: 8 rows 14.24 -> 13.60 µs per layer, 32 rows
+# 17.56-17.80 -> 16.82, 0.5B, H200, 2026-11-27)
+GROUP_REGS = 16  # float32 accumulator registers per thread for one wgmma over several down blocks: two blocks at
+# 8 rows (13.60 µs per layer against 13.95 for one and 14.04 for four), one from 16 rows (32 rows: 16.82 against 17.28
+# for two), same measurement
 _SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of every bf16 SMEM block
 ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu", "gelu_pytorch_tanh")
 
@@ -70,6 +77,11 @@ class Schedule:
     intermediate: int
     gate_up_depth: int  # ring stages of (gate, up) block pairs
     down_depth: int  # ring stages of down blocks (two 64-feature output tiles each)
+    down_issue_step: int = 0  # the gate/up step before which the first down loads are issued
+
+    @property
+    def down_blocks(self) -> int:
+        return self.hidden // (2 * TILE)
 
     @property
     def gate_up_ctas(self) -> int:
@@ -79,18 +91,35 @@ class Schedule:
     def programs(self) -> int:
         return self.gate_up_ctas + 1
 
+    @property
+    def out_depth(self) -> int:
+        """float32 output blocks of the down loop (each [128, rows], stored by a TMA reduce-add): as many as the
+        (gate, up) stages' bytes hold, up to one per down block, at least two."""
+        block = 2 * TILE * self.rows * 4
+        return max(2, min(self.down_blocks, self.gate_up_depth * 2 * TILE * BLOCK_K * 2 // block))
+
+    @property
+    def down_group(self) -> int:
+        """Down blocks multiplied by one wgmma (one accumulator, one wait, one store to SMEM): at most
+        ``GROUP_REGS`` accumulator registers per thread, and groups that never wrap the down ring or the output
+        blocks."""
+        def fits(n, depth):
+            return depth >= self.down_blocks or depth % n == 0
+        return max(n for n in range(1, self.down_depth + 1)
+                   if n == 1 or (n * self.rows <= GROUP_REGS and fits(n, self.down_depth) and fits(n, self.out_depth)))
+
     def smem_bytes(self) -> int:
-        """What a feature CTA allocates: the rows (normalised in place), the norm weight, the product tile, two
-        float32 output blocks, the weight stages."""
-        fixed = self.rows * self.hidden * 2 + self.hidden * 2 + self.rows * TILE * 2 + 2 * 2 * TILE * self.rows * 4
-        return fixed + self.gate_up_depth * 2 * TILE * BLOCK_K * 2 + self.down_depth * 2 * TILE * TILE * 2
+        """What a feature CTA allocates: the rows, the product tile and the down stages for the whole kernel; the
+        (gate, up) stages during gate/up, then in the same bytes the down loop's float32 output blocks."""
+        fixed = self.rows * self.hidden * 2 + self.rows * TILE * 2 + self.down_depth * 2 * TILE * TILE * 2
+        return fixed + max(self.gate_up_depth * 2 * TILE * BLOCK_K * 2, self.out_depth * 2 * TILE * self.rows * 4)
 
 
-def schedule(rows: int, hidden: int, intermediate: int, sms: int, down_depth: int = DOWN_DEPTH) -> Schedule | None:
+def schedule(rows: int, hidden: int, intermediate: int, sms: int, down_depth: int | None = None) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of a [hidden -> intermediate -> hidden] MLP on ``sms`` SMs, or None
     where it does not fit (hidden width not a multiple of 128 or wider than 256 such blocks, intermediate width not
-    a multiple of 64, more than ``MAX_ROWS`` rows, more CTAs than SMs, SMEM). Plain Python: the entry decides with
-    it at trace time."""
+    a multiple of 64, more than ``MAX_ROWS`` rows, more CTAs than SMs, SMEM). ``down_depth``: the most down stages
+    (at most the CTA's hidden / 128 blocks; default ``DOWN_DEPTH``). Plain Python: the entry decides with it at trace time."""
     if not 1 <= rows <= MAX_ROWS or hidden % BLOCK_K or hidden // BLOCK_K > 256 or intermediate % TILE:
         return None
     rows8 = -(-rows // 8) * 8
@@ -98,11 +127,14 @@ def schedule(rows: int, hidden: int, intermediate: int, sms: int, down_depth: in
         return None
     # the gate/up loop refills a stage one step after reading it, so it needs two stages (or one block in all):
     # give down stages back until they fit
-    for dd in range(min(hidden // (2 * TILE), down_depth), 0, -1):
-        room = SMEM_BYTES - Schedule(rows8, hidden, intermediate, 0, dd).smem_bytes()
+    for dd in range(min(hidden // (2 * TILE), down_depth or DOWN_DEPTH), 0, -1):
+        room = SMEM_BYTES - Schedule(rows8, hidden, intermediate, 0, dd).smem_bytes() + 2 * 2 * TILE * rows8 * 4
         gate_up_depth = min(hidden // BLOCK_K, room // (2 * TILE * BLOCK_K * 2))
-        if gate_up_depth >= min(2, hidden // BLOCK_K):
-            return Schedule(rows8, hidden, intermediate, gate_up_depth, dd)
+        last_gate_up_issue = max(hidden // BLOCK_K - gate_up_depth, 0)  # the step that issues the last (gate, up) pair
+        issue_at = last_gate_up_issue if DOWN_ISSUE_STEP is None else min(DOWN_ISSUE_STEP, hidden // BLOCK_K - 1)
+        plan = Schedule(rows8, hidden, intermediate, gate_up_depth, dd, issue_at)
+        if gate_up_depth >= min(2, hidden // BLOCK_K) and plan.smem_bytes() <= SMEM_BYTES:
+            return plan
     return None
 
 
@@ -125,81 +157,72 @@ def _bf16_tiles():
     return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str, plan: Schedule,
-                  profile_dir: str | None = None) -> jax.Array:
-    """x: [rows8, hidden] the residual rows (bf16, not normalised); norm_weight [hidden]; w_gate, w_up [I, hidden];
-    w_down [hidden, I]. Returns the down projection of ``act(gate(h)) * up(h)``, ``h = rmsnorm(x)``, in float32,
-    transposed: [hidden, rows8]. ``profile_dir``: write Mosaic GPU's trace of each CTA's phases there (a JSON file
-    per call)."""
+def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_dir: str | None = None) -> jax.Array:
+    """h: [rows8, hidden] the normalised rows (bf16); w_gate, w_up [I, hidden]; w_down [hidden, I]. Returns the down
+    projection of ``act(gate(h)) * up(h)`` in float32, transposed: [hidden, rows8]. ``profile_dir``: write Mosaic
+    GPU's trace of each CTA's phases there (a JSON file per call)."""
     R, D = plan.rows, plan.hidden
-    dtype = x.dtype
+    dtype = h.dtype
     d_blocks, out_tiles, down_blocks = D // BLOCK_K, D // TILE, D // (2 * TILE)
-    gd, dd, ctas = plan.gate_up_depth, plan.down_depth, plan.gate_up_ctas
+    gd, dd, od, ctas = plan.gate_up_depth, plan.down_depth, plan.out_depth, plan.gate_up_ctas
+    group, issue_at = plan.down_group, plan.down_issue_step
+    blk = 2 * TILE  # output features per down block
     col = plgpu.Layout.WGMMA_TRANSPOSED
-    per_feature, per_row = col.reduce(1), col.reduce(0)
     part_swizzle = plgpu.find_swizzle(R * 32)
     part_tf = (plgpu.TilingTransform((8, part_swizzle // 4)), plgpu.SwizzleTransform(part_swizzle))
+    bf16 = functools.partial(plgpu.SMEM, dtype=dtype, transforms=_bf16_tiles())
 
-    def gate_up_down(p, x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, scratch):
-        (h_smem, w_smem, wd_smem, y_smem, out_smem, norm_smem), (h_ready, w_ready, wd_ready, norm_ready) = scratch
+    def gate_up_down(p, h_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, scratch):
+        (h_smem, wd_smem, y_smem), (h_ready, w_ready, wd_ready) = scratch
         row0 = p * TILE
 
-        def issue(step):
-            slot = step % gd
-            cols = pl.ds(step * BLOCK_K, BLOCK_K)
-            plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
-            plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot], w_ready.at[gd + slot])
-
         def issue_down(j):  # output features [128j, 128j + 128) of this CTA's 64 columns of w_down
-            plgpu.copy_gmem_to_smem(wd_gmem.at[pl.ds(j * 2 * TILE, 2 * TILE), pl.ds(row0, TILE)],
-                                    wd_smem.at[j % dd], wd_ready.at[j % dd])
+            plgpu.copy_gmem_to_smem(wd_gmem.at[pl.ds(j * blk, blk), pl.ds(row0, TILE)],
+                                    wd_smem.at[pl.ds((j % dd) * blk, blk)], wd_ready.at[j % dd])
 
-        # the rows and the norm weight first: an SM's copies land roughly in issue order, and the norm waits on them
-        plgpu.copy_gmem_to_smem(norm_gmem, norm_smem, norm_ready.at[0])
+        # the rows first: an SM's copies land roughly in issue order, and the first product waits on them
         for c in range(d_blocks):
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
-        for step in range(gd):
-            issue(step)
-        for j in range(dd):
-            issue_down(j)
+            plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
 
-        def chunk(c):
-            return h_smem.at[c // 2, :, pl.ds((c % 2) * TILE, TILE)].transpose((1, 0))
-
-        with jax.named_scope("norm"):  # in place, 64 features at a time as [64, rows] (transposed views)
-            squares = None  # elementwise over the chunks; one cross-warp reduction at the end
-            for c in range(D // TILE):
-                if c % 2 == 0:
-                    plgpu.barrier_wait(h_ready.at[c // 2])
-                xc = plgpu.load(chunk(c), layout=col).astype(F32)
-                squares = xc * xc if squares is None else squares + xc * xc
-            scale = plgpu.layout_cast(lax.rsqrt(jnp.sum(squares, axis=0) / D + eps), per_row)
-            plgpu.barrier_wait(norm_ready.at[0])
-            for c in range(D // TILE):
-                xc = plgpu.load(chunk(c), layout=col).astype(F32)
-                weight = plgpu.load(norm_smem.at[c // 2, pl.ds((c % 2) * TILE, TILE)], layout=per_feature)
-                chunk(c)[...] = weight[:, None] * (xc * scale[None, :]).astype(dtype)
-            plgpu.commit_smem()
-
-        def accumulate(acc_g, acc_u):
-            def step_fn(step, _):
+        def gate_up(w_smem):
+            def issue(step):
                 slot = step % gd
-                plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[gd + slot])
-                rhs = h_smem.at[step].transpose((1, 0))
-                plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
-                plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
-                plgpu.wgmma_wait(2)
+                cols = pl.ds(step * BLOCK_K, BLOCK_K)
+                plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
+                plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot],
+                                        w_ready.at[gd + slot])
 
-                @pl.when((step > 0) & (step - 1 + gd < d_blocks))
-                def _():
-                    issue(step - 1 + gd)
+            for step in range(gd):
+                issue(step)
+            if issue_at == 0:
+                for j in range(dd):
+                    issue_down(j)
 
-            lax.fori_loop(0, d_blocks, step_fn, None)
-            plgpu.wgmma_wait(0)
-            return acc_g[...], acc_u[...]
+            def accumulate(acc_g, acc_u):
+                def step_fn(step, _):
+                    slot = step % gd
+                    plgpu.barrier_wait(h_ready.at[step])
+                    plgpu.barrier_wait(w_ready.at[slot])
+                    plgpu.barrier_wait(w_ready.at[gd + slot])
+                    rhs = h_smem.at[step].transpose((1, 0))
+                    plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
+                    plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
+                    plgpu.wgmma_wait(2)
 
-        with jax.named_scope("gate_up"):
+                    @pl.when((step > 0) & (step - 1 + gd < d_blocks))
+                    def _():
+                        issue(step - 1 + gd)
+
+                    if issue_at > 0:  # behind the (gate, up) loads issued so far: an SM's copies land in order
+                        @pl.when(step == issue_at)
+                        def _():
+                            for j in range(dd):
+                                issue_down(j)
+
+                lax.fori_loop(0, d_blocks, step_fn, None)
+                plgpu.wgmma_wait(0)
+                return acc_g[...], acc_u[...]
+
             g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, R), F32), plgpu.ACC((TILE, R), F32))
             g = g.astype(dtype).astype(F32)
             u = u.astype(dtype).astype(F32)
@@ -207,32 +230,40 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
             y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, col)
             plgpu.commit_smem()
 
-        with jax.named_scope("wait_zero"):  # the accumulator is zeroed (release add after the stores completed)
-            plgpu.semaphore_wait(counter.at[0], 1, decrement=False, memory_scope="gpu")
+        with jax.named_scope("gate_up"):
+            pl.run_scoped(gate_up, bf16((2, gd, TILE, BLOCK_K)))
 
-        def down_block(j):
-            slot = j % dd
+        def down(out_smem):  # in the bytes the (gate, up) stages held: their loads have landed and been read
+            def down_group(j, m):  # blocks j .. j + m - 1: one wgmma, one wait, one store to SMEM, m TMA stores
+                def product(acc):
+                    for i in range(m):
+                        plgpu.barrier_wait(wd_ready.at[(j + i) % dd])
+                    plgpu.wgmma(acc, wd_smem.at[pl.ds((j % dd) * blk, m * blk)], y_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
 
-            def one(acc):
-                plgpu.barrier_wait(wd_ready.at[slot])
-                plgpu.wgmma(acc, wd_smem.at[slot], y_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc[...]
+                part = pl.run_scoped(product, plgpu.ACC((m * blk, R), F32))
+                for i in range(m):
+                    if j + i + dd < down_blocks:
+                        issue_down(j + i + dd)
+                first = (j % od) * blk
+                # the stores that last used these output rows (od blocks ago) have read them
+                plgpu.wait_smem_to_gmem(od - m, wait_read_only=True)
+                out_smem.at[pl.ds(first, m * blk)][...] = part
+                plgpu.commit_smem()
+                if j == 0:  # the accumulator is zeroed (a release add after its stores completed); the poll
+                    # waits here, after the first group's product, not ahead of it
+                    plgpu.semaphore_wait(counter.at[0], 1, decrement=False, memory_scope="gpu")
+                for i in range(m):
+                    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(first + i * blk, blk)],
+                                            acc_gmem.at[pl.ds((j + i) * blk, blk)], reduction_op="add")
 
-            part = pl.run_scoped(one, plgpu.ACC((2 * TILE, R), F32))
-            if j + dd < down_blocks:
-                issue_down(j + dd)
-            buf = j % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this buffer two blocks ago has read it
-            out_smem.at[buf][...] = part
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[buf], acc_gmem.at[pl.ds(j * 2 * TILE, 2 * TILE)],
-                                    reduction_op="add")
+            for j in range(0, down_blocks, group):
+                down_group(j, min(group, down_blocks - j))
+            plgpu.wait_smem_to_gmem(0)
 
         with jax.named_scope("down"):
-            for j in range(down_blocks):
-                down_block(j)
-            plgpu.wait_smem_to_gmem(0)
+            pl.run_scoped(down, plgpu.SMEM((od * blk, R), F32, transforms=part_tf))
 
     def zero(acc_gmem, counter, scratch):
         (z_smem,), () = scratch
@@ -243,10 +274,9 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
         plgpu.wait_smem_to_gmem(0)
         plgpu.semaphore_signal(counter.at[0], 1, memory_scope="gpu")
 
-    def body(x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem):
+    def body(h_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem):
         p = lax.axis_index("p")
         counter = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
-        bf16 = functools.partial(plgpu.SMEM, dtype=dtype, transforms=_bf16_tiles())
 
         @pl.when(p == 0)
         def _():
@@ -256,12 +286,10 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
         @pl.when(p > 0)
         def _():
             pl.run_scoped(
-                lambda *s: gate_up_down(p - 1, x_gmem, norm_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, s),
-                (bf16((d_blocks, R, BLOCK_K)), bf16((2, gd, TILE, BLOCK_K)), bf16((dd, 2 * TILE, TILE)),
-                 bf16((R, TILE)), plgpu.SMEM((2, 2 * TILE, R), F32, transforms=part_tf),
-                 plgpu.SMEM((d_blocks, BLOCK_K), dtype)),
+                lambda *s: gate_up_down(p - 1, h_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem, counter, s),
+                (bf16((d_blocks, R, BLOCK_K)), bf16((dd * blk, TILE)), bf16((R, TILE))),
                 (plgpu.Barrier(num_barriers=d_blocks), plgpu.Barrier(num_barriers=2 * gd),
-                 plgpu.Barrier(num_barriers=dd), plgpu.Barrier(num_barriers=1)),
+                 plgpu.Barrier(num_barriers=dd)),
             )
 
         # leave the counters at zero for the next call: the last CTA resets them once every CTA is past its wait
@@ -274,7 +302,7 @@ def gated_mlp_sum(x, norm_weight, w_gate, w_up, w_down, *, eps: float, act: str,
 
     params = plgpu.CompilerParams(profile_space=16, profile_dir=profile_dir) if profile_dir else None
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((D, R), F32), grid=(plan.programs,), grid_names=("p",),
-                        compiler_params=params)(x, norm_weight.reshape(d_blocks, BLOCK_K), w_gate, w_up, w_down)
+                        compiler_params=params)(h, w_gate, w_up, w_down)
 
 
 def gated_mlp_residual_unsupported(x, norm_weight, w_gate, w_up, w_down, act) -> str | None:
@@ -305,6 +333,6 @@ def gated_mlp_residual(x, norm_weight, eps, w_gate, w_up, w_down, act, *, sms: i
         product = dispatch.op("norm_gated_mlp")(x, norm_weight, eps, w_gate, w_up, act)
         return dispatch.op("matmul_add")(product, w_down, x)
     rows = x.shape[0]
-    down = gated_mlp_sum(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, w_gate, w_up, w_down, eps=eps,
-                         act=act, plan=plan)
+    h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, eps)
+    down = gated_mlp_sum(h, w_gate, w_up, w_down, act=act, plan=plan)
     return x + down[:, :rows].T.astype(x.dtype)

@@ -83,11 +83,10 @@ def phases(rows: int, weights, hidden: int) -> list[dict]:
     """Per-phase begin and end (median and last CTA) of one profiled call."""
     plan = decode_mlp.schedule(rows, hidden, weights[1].shape[0], jax.devices()[0].core_count)
     out_dir = tempfile.mkdtemp()
-    fn = jax.jit(lambda x, *w: decode_mlp.gated_mlp_sum(x, *w, eps=EPS, act="silu", plan=plan,
-                                                         profile_dir=out_dir))
-    x = jnp.full((plan.rows, hidden), 0.1, jnp.bfloat16)
+    fn = jax.jit(lambda h, *w: decode_mlp.gated_mlp_sum(h, *w, act="silu", plan=plan, profile_dir=out_dir))
+    h = jnp.full((plan.rows, hidden), 0.1, jnp.bfloat16)
     for _ in range(5):
-        out = fn(x, *weights)
+        out = fn(h, *weights[1:])
     jax.block_until_ready(out)
     events = json.load(open(sorted(glob.glob(os.path.join(out_dir, "*.json")))[-1]))["traceEvents"]
     t0 = min(e["ts"] for e in events)
@@ -112,6 +111,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=896, help="default: the 0.5B geometry")
     ap.add_argument("--intermediate", type=int, default=4864)
+    ap.add_argument("--down-depth", type=int, default=None, help="the kernel's most down-projection stages "
+                    f"(default {decode_mlp.DOWN_DEPTH}; the schedule gives the rest of the SMEM to gate/up stages)")
+    ap.add_argument("--issue-step", type=int, default=None, help="the gate/up step before which the kernel issues "
+                    f"its first down loads (0: before the loop; default: after the last gate/up load)")
+    ap.add_argument("--group-regs", type=int, default=None, help="accumulator registers per thread for one wgmma "
+                    f"over several down blocks (default {decode_mlp.GROUP_REGS}; 8 or less: one block per wgmma)")
+    ap.add_argument("--smem-kb", type=int, default=None, help="the kernel's SMEM budget per CTA in KiB (default "
+                    f"{decode_mlp.SMEM_BYTES // 1024}; a Hopper CTA may use 227)")
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -119,6 +126,18 @@ def main(argv=None) -> int:
         print("bench_decode_mlp needs a GPU: Mosaic GPU kernels have no CPU path.", file=sys.stderr)
         return 2
     hidden, inter = args.hidden, args.intermediate
+    if args.down_depth is not None:
+        if args.down_depth < 1:
+            raise SystemExit(f"--down-depth {args.down_depth}: must be at least 1")
+        decode_mlp.DOWN_DEPTH = args.down_depth
+    if args.issue_step is not None:
+        decode_mlp.DOWN_ISSUE_STEP = max(args.issue_step, 0)
+    if args.group_regs is not None:
+        decode_mlp.GROUP_REGS = args.group_regs
+    if args.smem_kb is not None:
+        if not 64 <= args.smem_kb <= 227:
+            raise SystemExit(f"--smem-kb {args.smem_kb}: must be 64-227")
+        decode_mlp.SMEM_BYTES = args.smem_kb * 1024
     for rows in args.rows:
         if decode_mlp.schedule(rows, hidden, inter, jax.devices()[0].core_count) is None:
             raise SystemExit(f"--rows {rows}: the kernel has no schedule for [{hidden} -> {inter}] on this GPU")

@@ -202,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--config", action="append", default=None, help="bn,bk,depth (repeatable; default 64,128,8 "
                     "and 32,128,8)")
+    ap.add_argument("--programs", type=int, nargs="+", default=None, help="CTA counts to stream with (default: one "
+                    "per SM); e.g. 76 132 asks whether 76 SMs (the decode MLP kernel's feature CTAs at the 0.5B "
+                    "geometry) reach the bandwidth of all of them")
     ap.add_argument("--launch-cost", action="store_true", help="tiny dependent kernels' cost instead (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -214,37 +217,41 @@ def main(argv=None) -> int:
     if args.n % 2:
         raise SystemExit(f"--n {args.n} must be even (the GEMV reads it as gate and up halves)")
     configs = [tuple(int(v) for v in c.split(",")) for c in (args.config or ["64,128,8", "32,128,8"])]
-    programs = jax.devices()[0].core_count
+    sms = jax.devices()[0].core_count
+    counts = args.programs or [sms]
+    if any(not 1 <= c <= sms for c in counts):
+        raise SystemExit(f"--programs {counts}: each count must be 1-{sms} (one CTA per SM)")
+    programs = counts[0]
     n, k, layers = args.n, args.k, args.layers
     mbytes = n * k * 2 / 1e6
     bandwidth = hbm_bandwidth()
     device = jax.devices()[0].device_kind
-    print(f"{device}: {programs} SMs, copy bandwidth {bandwidth / 1e12:.2f} TB/s; {layers} x [{n}, {k}] bf16 "
+    print(f"{device}: {sms} SMs, copy bandwidth {bandwidth / 1e12:.2f} TB/s; {layers} x [{n}, {k}] bf16 "
           f"({mbytes:.1f} MB each)", flush=True)
     keys = jax.random.split(jax.random.PRNGKey(0), layers)
     mats = [(0.02 * jax.random.normal(key, (n, k))).astype(jnp.bfloat16) for key in keys]
     stacked = jnp.concatenate(mats, axis=0)
-    carry = lambda: jnp.zeros((carry_size(programs),), F32)  # noqa: E731  (time_looped donates it)
+    carry = lambda c=programs: jnp.zeros((carry_size(c),), F32)  # noqa: E731  (time_looped donates it)
     rows = []
 
-    def record(way, config, us, mb=mbytes):
+    def record(way, config, us, mb=mbytes, ctas=programs):
         tbs = mb / us  # MB per µs = TB/s
-        rows.append(dict(device=device, way=way, config=config, layers=layers, mb_per_layer=round(mb, 1),
+        rows.append(dict(device=device, way=way, config=config, ctas=ctas, layers=layers, mb_per_layer=round(mb, 1),
                          us_per_layer=round(us, 2), tb_s=round(tbs, 2),
                          pct_copy_bw=round(100 * tbs * 1e12 / bandwidth)))
 
-    for bn, bk, depth in configs:
+    for (bn, bk, depth), ctas in [(c, p) for c in configs for p in counts]:
         config = f"{bn},{bk},{depth}"
-        read = functools.partial(stream_blocks, programs=programs, bn=bn, bk=bk, depth=depth)
+        read = functools.partial(stream_blocks, programs=ctas, bn=bn, bk=bk, depth=depth)
         for way, kw in (("per-matrix kernels", {}), ("per-matrix kernels, PDL", {"pdl": True})):
             def chain(matrices, x, kw=kw, read=read):
                 for w in matrices:
                     x = read(w, x, matrices=1, **kw)
                 return x
-            record(way, config, per_layer_us(chain, mats, carry(), layers))
+            record(way, config, per_layer_us(chain, mats, carry(ctas), layers), ctas=ctas)
         for way, kw in (("one kernel", {}), ("one kernel, grid barrier per matrix", {"barrier": True})):
             one = functools.partial(read, matrices=layers, **kw)
-            record(way, config, per_layer_us(one, stacked, carry(), layers))
+            record(way, config, per_layer_us(one, stacked, carry(ctas), layers), ctas=ctas)
     bn, bk, depth = configs[0]
     barriers = functools.partial(stream_blocks, matrices=layers, programs=programs, bn=bn, bk=bk, depth=depth,
                                  barrier=True, weights=False)

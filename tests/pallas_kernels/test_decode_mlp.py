@@ -14,7 +14,7 @@ import pytest
 from apriel2_jax import dispatch
 from apriel2_jax.dispatch import lowered_once
 from apriel2_jax.ops import decode_fused
-from apriel2_jax.ops.norms import activation, rms_norm
+from apriel2_jax.ops.norms import activation
 from pallas_kernels import decode_mlp
 
 F32 = jnp.float32
@@ -50,11 +50,52 @@ def test_schedule_stays_within_shared_memory(rows):
 
 
 def test_schedule_gives_down_stages_back_for_a_second_gate_up_stage():
-    full = decode_mlp.Schedule(32, 896, 4864, 1, decode_mlp.DOWN_DEPTH)
+    blocks = 896 // (2 * decode_mlp.TILE)  # the CTA's down blocks: all of them asked for
+    full = decode_mlp.Schedule(32, 896, 4864, 1, blocks)
     gate_up_stage = 2 * decode_mlp.TILE * decode_mlp.BLOCK_K * 2  # a (gate, up) pair of bf16 blocks
-    assert full.smem_bytes() + gate_up_stage > decode_mlp.SMEM_BYTES  # DOWN_DEPTH leaves room for one
-    plan = decode_mlp.schedule(32, 896, 4864, 132)
-    assert plan.down_depth < decode_mlp.DOWN_DEPTH and plan.gate_up_depth >= 2
+    assert full.smem_bytes() + gate_up_stage > decode_mlp.SMEM_BYTES  # all down stages leave room for one
+    plan = decode_mlp.schedule(32, 896, 4864, 132, down_depth=blocks)
+    assert plan.down_depth < blocks and plan.gate_up_depth >= 2
+    assert plan.smem_bytes() <= decode_mlp.SMEM_BYTES
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_output_blocks_reuse_the_gate_up_stages(rows):
+    """The down loop's float32 output blocks live in the bytes the (gate, up) stages held: at 8 rows one per down
+    block (no store waits for another), at 32 rows as many as fit."""
+    plan = decode_mlp.schedule(rows, 896, 4864, 132)
+    block = 2 * decode_mlp.TILE * plan.rows * 4
+    stages = plan.gate_up_depth * 2 * decode_mlp.TILE * decode_mlp.BLOCK_K * 2
+    fixed = decode_mlp.Schedule(plan.rows, 896, 4864, 0, plan.down_depth).smem_bytes() - 2 * block
+    assert 2 <= plan.out_depth <= 896 // (2 * decode_mlp.TILE)
+    assert plan.out_depth * block <= stages
+    assert plan.smem_bytes() == fixed + stages
+    if rows == 8:
+        assert plan.out_depth == 896 // (2 * decode_mlp.TILE)
+    else:
+        assert (plan.out_depth + 1) * block > stages
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 32])
+def test_down_loads_queue_behind_every_gate_up_load(rows):
+    """An SM's copies land in issue order, so the down blocks are issued at the gate/up step that issues the last
+    (gate, up) pair (the loop refills step ``s - 1 + depth`` at step ``s``), not ahead of the pairs."""
+    plan = decode_mlp.schedule(rows, 896, 4864, 132)
+    steps = 896 // decode_mlp.BLOCK_K
+    assert plan.down_issue_step - 1 + plan.gate_up_depth == steps - 1
+    whole = decode_mlp.schedule(rows, 256, 512, 132)  # every pair issued before the loop: so are the down blocks
+    assert whole.gate_up_depth == 256 // decode_mlp.BLOCK_K and whole.down_issue_step == 0
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 32])
+def test_down_groups_fit_the_registers_and_never_wrap(rows):
+    plan = decode_mlp.schedule(rows, 896, 4864, 132)
+    n = plan.down_group
+    assert n == 1 or n * plan.rows <= decode_mlp.GROUP_REGS
+    for j in range(0, plan.down_blocks, n):  # each group's blocks sit side by side in the ring and the outputs
+        m = min(n, plan.down_blocks - j)
+        assert j % plan.down_depth + m <= plan.down_depth
+        assert j % plan.out_depth + m <= plan.out_depth
 
 
 @pytest.mark.parametrize("rows, hidden, inter, sms, why", [
@@ -77,9 +118,9 @@ def test_schedule_takes_the_same_geometry_at_fewer_rows():
 def test_cross_lowers_for_cuda(rows, hidden, inter):
     plan = decode_mlp.schedule(rows, hidden, inter, 132)
     bf = jnp.bfloat16
-    args = [jax.ShapeDtypeStruct(s, bf) for s in ((plan.rows, hidden), (hidden,), (inter, hidden), (inter, hidden),
+    args = [jax.ShapeDtypeStruct(s, bf) for s in ((plan.rows, hidden), (inter, hidden), (inter, hidden),
                                                   (hidden, inter))]
-    fn = jax.jit(functools.partial(decode_mlp.gated_mlp_sum, eps=1e-5, act="silu", plan=plan))
+    fn = jax.jit(functools.partial(decode_mlp.gated_mlp_sum, act="silu", plan=plan))
     # lowering runs Mosaic GPU's layout and transform checks (wgmma operands, swizzles, transposed loads and
     # stores, the reduce-add stores)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -90,12 +131,12 @@ def test_many_call_sites_behind_the_dispatch_jit_lower_the_kernel_once():
     """Every layer calls the kernel; behind ``lowered_once`` (as the dispatch point registers kernels) its Mosaic
     GPU module is built and embedded once, not once per call site."""
     plan = decode_mlp.schedule(8, 256, 512, 132)
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 256), (256,), (512, 256), (512, 256), (256, 512))]
-    kernel = lowered_once(functools.partial(decode_mlp.gated_mlp_sum, eps=1e-5, act="silu", plan=plan))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 256), (512, 256), (512, 256), (256, 512))]
+    kernel = lowered_once(functools.partial(decode_mlp.gated_mlp_sum, act="silu", plan=plan))
 
-    def layers(n, h, norm, w_gate, w_up, w_down):
+    def layers(n, h, w_gate, w_up, w_down):
         for _ in range(n):
-            h = h + kernel(h, norm, w_gate, w_up, w_down).T.astype(h.dtype)
+            h = h + kernel(h, w_gate, w_up, w_down).T.astype(h.dtype)
         return h
 
     def lowered_text(n):
@@ -106,9 +147,10 @@ def test_many_call_sites_behind_the_dispatch_jit_lower_the_kernel_once():
     assert one.count("mosaic_gpu") == four.count("mosaic_gpu") > 0  # plain calls: four times as many
 
 
-def _sum_in_jnp(x, norm_weight, w_gate, w_up, w_down, *, eps, act, plan):
-    """What the kernel computes, in jnp: the down projection of the rows' MLP, float32 [hidden, rows8]."""
-    h = rms_norm(x, norm_weight, eps)
+def _sum_in_jnp(h, w_gate, w_up, w_down, *, act, plan):
+    """What the kernel computes, in jnp: the down projection of the normalised rows' MLP, float32 [hidden,
+    rows8]."""
+    assert h.shape == (plan.rows, plan.hidden)
     gate = (h @ w_gate.T).astype(h.dtype)
     product = activation(act, gate) * (h @ w_up.T).astype(h.dtype)
     return (product.astype(F32) @ w_down.T.astype(F32)).T
