@@ -42,10 +42,10 @@ def register_all() -> None:
     dispatch.register("norm_projections", "gpu", decode_gemv.norm_projections)
     dispatch.register("norm_gated_mlp", "gpu", decode_gemv.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
-    # The whole MLP as one persistent kernel (``decode_mlp``) is not registered: side by side in the engine (0.5B,
-    # H200, 2026-11-27, two processes each) it left B=8 and B=32 steps within the spread between processes of one
-    # variant (all-attention B=32 1.117-1.120 ms against 1.137, a12-g1-k11 1.274-1.312 against 1.293-1.299), and its
-    # float32 reduce-add stores make outputs vary by a rounding between calls. ``bench_generate.py
+    # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,
+    # H200, 2026-11-27, two processes each) it takes ~2% off the B=8 and B=32 steps (all-attention B=32 1.117-1.125
+    # ms against 1.142-1.146, a12-g1-k11 1.282-1.289 against 1.313-1.322). But its float32 reduce-add stores land
+    # in no fixed order, so decode outputs would vary by a rounding between runs. ``bench_generate.py
     # --decode-mlp-kernel`` registers it.
     # The plain sequence / one-token forms (non-engine paths) run on the same kernels.
     for name, fn in (

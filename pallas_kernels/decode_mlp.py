@@ -1,39 +1,43 @@
-"""The gated MLP of a decode step for up to 32 rows as one persistent Mosaic GPU kernel: RMSNorm, gate/up
-projections with the activation product and the down projection, one CTA per 64 intermediate features. The jnp
-oracle is ``apriel2_jax.ops.decode_fused.gated_mlp_residual``.
+"""The gated MLP of a decode step for up to 32 rows as one persistent Mosaic GPU kernel: gate/up projections with
+the activation product and the down projection, one CTA per 64 intermediate features. The entry adds the RMSNorm
+before it and the residual add after it. The jnp oracle is ``apriel2_jax.ops.decode_fused.gated_mlp_residual``.
 
 Why. At a few rows the MLP reads its three matrices once (26 MB of the 0.5B geometry's 30 MB per layer) and does
-little arithmetic, so its floor is bytes over bandwidth. XLA runs it as five kernels at 8-32 rows (norm, gate/up
-GEMM, activation product, down GEMM split over its input, the split sum with the residual add), each paying a
-start, a first-load latency and a tail, with the intermediate product going through HBM.
+little arithmetic, so its floor is bytes over bandwidth. XLA runs it as four kernels at 8-32 rows (gate/up GEMM,
+activation product, down GEMM split over its input, the split sum with the residual add), each paying a start, a
+first-load latency and a tail, with the intermediate product going through HBM.
 
-Design. CTA ``p + 1`` owns intermediate features [64p, 64p + 64). It issues, in this order, TMA loads of the rows
-and the norm weight, of its first (gate, up) weight block pairs ([64, 128] each) and of its first down-projection
-blocks (the [128 output features, 64] blocks of ``w_down``'s columns for its features): an SM's copies land
-roughly in issue order, and the norm waits on the rows. It normalises the rows in SMEM as ``ops.norms.rms_norm``
-rounds (fp32 statistics, cast, times the weight), runs the gate/up blocks as wgmma A operands against them (the
-rows, padded to 8, are the N dimension, so few rows cost no padding to 64), rounds, applies the activation in
-fp32, rounds and multiplies (as the reference), keeping its [64, rows] product tile in SMEM. Then it multiplies
-each down block by that tile and adds the float32 result into the output with a TMA reduce-add store: no
-grid-wide dependence on the product, which never leaves the SM. CTA 0 zeroes the output first; the others wait
-for it (a global counter) before their first add, by then long done.
+Design. CTA ``p + 1`` owns intermediate features [64p, 64p + 64).
+- It issues TMA loads of the normalised rows, then of its first (gate, up) weight block pairs ([64, 128] each),
+  and refills that ring as the loop reads it. The rows (padded to 8) are the wgmma N dimension and the weight
+  blocks the A operands, so few rows cost no padding to 64.
+- It rounds the products, applies the activation in fp32, rounds and multiplies (as the reference), and keeps its
+  [64, rows] product tile in SMEM.
+- Its down-projection blocks (the [128 output features, 64] blocks of ``w_down``'s columns for its features) are
+  issued at the loop step that issues the last (gate, up) pair. An SM's copies land in issue order, so down loads
+  issued earlier would hold back the gate/up refills.
+- It multiplies the down blocks by the product tile, two blocks per wgmma at 8 rows and one above (the
+  accumulator's registers). It adds each float32 result into the output with a TMA reduce-add store from SMEM
+  that the gate/up stages held. There is no grid-wide dependence on the product, which never leaves the SM.
+- CTA 0 zeroes the output first. The others wait for it (a global counter) before their first add, after their
+  first product, by when it is long done.
 
-The caller rounds the sum to the dtype (the projection) and adds it to the residual (rounded), as the reference.
-The float32 adds of the 76 CTAs (0.5B) land in no fixed order, so outputs can differ between calls by a rounding
-of the sum (bf16 ulps of the projection, rarely).
+The RMSNorm runs in XLA before the kernel (``ops.norms.rms_norm``), where the engine fuses it into the fusion
+before the MLP (the attention output's split sum and residual add). The caller rounds the sum to the dtype (the
+projection) and adds it to the residual (rounded), as the reference. The float32 adds of the 76 CTAs (0.5B) land
+in no fixed order, so outputs can differ between calls by a rounding of the sum (bf16 ulps of the projection,
+rarely).
 
 Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it
-where a GPU is present) but not registered: in the engine it is within the noise of what runs without it
-(``bench_generate.py --decode-mlp-kernel``; 0.5B, H200, 2026-11-27, two processes each, ms per step: all-attention
-B=8 0.863, 0.856 against 0.884, 0.874; B=16 0.983, 0.974 against 0.971, 0.968; B=32 1.148, 1.144 against 1.135,
-1.137; a12-g1-k11 B=8 1.056, 1.043 against 1.058, 1.055; B=32 1.319, 1.308 against 1.305, 1.304). Alone, 24 layers
-of 0.5B weights chained (as ``scripts/bench_decode_mlp.py`` chains them, same day, µs per layer, the padding and
-the residual add included): 14.1-14.2 against the dispatched XLA chain's 16.7-17.3 at 8 rows, 16.4-16.5 against
-18.9-19.5 at 16, 20.5-21.2 against 22.0-22.4 at 32, and 14.4-14.8 against the GEMV kernels' 13.2-13.5 at one row.
-In the engine XLA fuses the MLP's norm into the fusion before it, and the kernel's output needs a transposing add
-after it (2.1 µs per layer in a trace of the first version at 32 rows): the likely difference, not traced with
-this version. Its per-CTA trace (``profile_dir``) shows what bounds it: each feature CTA streams 341 KB (229 KB of
-gate/up, 112 KB of down) at ~25-40 GB/s, one SM's rate through its TMA ring, on 76 of the 132 SMs.
+where a GPU is present). Not registered: in the engine it takes ~2% off the B=8 and B=32 steps
+(``bench_generate.py --decode-mlp-kernel``), and its reduce-add order makes decode outputs vary between runs.
+Figures are in docs/BENCHMARKS.md ("Tried and not taken: the whole gated MLP as one persistent Mosaic GPU kernel").
+What bounds it, from its per-CTA trace (``profile_dir``):
+- each feature CTA streams 341 KB (229 KB of gate/up, 112 KB of down);
+- the [128, 64] down blocks have 128-byte rows, which TMA streams slower than the 256-byte rows of the gate/up
+  blocks (76 CTAs: 2.9 against 3.5 TB/s);
+- the SMEM cannot hold a CTA's down blocks beside enough (gate, up) stages.
+Using 76 of the 132 SMs is not the bound: 76 CTAs stream as fast as 132.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 """How fast a decode step can stream its weights: one kernel per matrix against one kernel for all of them, and
 what a dependence between matrices costs either way.
 
-    python scripts/bench_weight_streaming.py [--n 9728 --k 896 --layers 24] [--config 64,128,8 ...] [--json PATH]
+    python scripts/bench_weight_streaming.py [--n 9728 --k 896 --layers 24] [--config 64,128,8 ...] [--programs 76 132]
+        [--json PATH]
 
 A decode step at small batch reads every weight once and does little arithmetic, so its floor is bytes over
 bandwidth. Ways to read ``--layers`` bf16 matrices of [N, K] (default: the 0.5B geometry's gate and up
@@ -10,7 +11,8 @@ projections side by side, 17.4 MB per layer), each call of the timed step waitin
 (``benchmarking.time_looped``: median of 5 rounds of 20 calls). Every kernel is one Mosaic GPU CTA per SM that
 streams its share of a matrix's [bn, bk] blocks through a ring of ``depth`` SMEM stages filled by TMA
 (``--config bn,bk,depth``) and reads one element of each, so the loads are used; a CTA's share is a contiguous
-range of blocks, balanced to within one.
+range of blocks, balanced to within one. ``--programs`` streams with fewer CTAs than SMs as well (one row set per
+count), to ask whether a kernel that leaves SMs idle can still reach the bandwidth.
 
 - **per-matrix kernels**: one kernel per matrix, each reading the previous one's output (a true dependence, as a
   layer's projections have): every matrix pays a kernel's start and tail.
