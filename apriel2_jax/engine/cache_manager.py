@@ -27,19 +27,24 @@ class RequestBlocks:
     slot: int = SINK
 
 
-# A decode step's block tables span the widest row's pages, rounded up to a power of two of at least this many
-# tokens, not max_model_len: the decode attention kernel sizes its K-splits (and the merge of their partials) by the
-# table's span. With full-width tables, the 0.5B geometry's default max_model_len (262144) made an all-attention
-# decode step at context 1024 and one row take 0.87 ms, fitted 0.72 (H200, 2026-11-27; docs/BENCHMARKS.md).
-# Powers of two bound the decode shapes compiled to ~log2(max_model_len / this).
+# A decode step's block tables span the widest row's pages, rounded up to a half-octave width (a power of two or
+# 1.5 times one) of at least this many tokens, not max_model_len: the decode attention kernel sizes its K-splits
+# (and the merge of their partials) by the table's span. With full-width tables, the 0.5B geometry's default
+# max_model_len (262144) made an all-attention decode step at context 1024 and one row take 0.87 ms, fitted 0.72
+# (H200, 2026-11-27; docs/BENCHMARKS.md). Half-octave steps keep the span within 1.5x the context, so the kernel's
+# splits hold ~85-128 context tokens, and bound the decode shapes compiled to ~2 log2(max_model_len / this).
 MIN_FITTED_TABLE_TOKENS = 1024
 
 
 def fitted_table_width(pages: int, full_width: int, page_size: int) -> int:
-    """The block-table width for a step whose widest row holds ``pages`` pages: the smallest power of two at least
-    that and ``MIN_FITTED_TABLE_TOKENS`` tokens' worth, capped at ``full_width`` (the family's widest table)."""
+    """The block-table width for a step whose widest row holds ``pages`` pages: the smallest power of two, or 1.5
+    times one, at least that and ``MIN_FITTED_TABLE_TOKENS`` tokens' worth, capped at ``full_width`` (the family's
+    widest table)."""
     want = max(pages, -(-MIN_FITTED_TABLE_TOKENS // page_size), 1)
-    return min(1 << (want - 1).bit_length(), full_width)
+    octave = 1 << (want - 1).bit_length()
+    if octave >= 4 and want <= 3 * octave // 4:
+        octave = 3 * octave // 4
+    return min(octave, full_width)
 
 
 @dataclasses.dataclass(frozen=True)

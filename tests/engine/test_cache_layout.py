@@ -99,12 +99,20 @@ def test_one_metadata_build_per_step_for_all_layers(config_05b):
 @pytest.mark.parametrize("pages, full, page_size, want", [
     (0, 4096, 16, 1024 // 16),  # at least MIN_FITTED_TABLE_TOKENS
     (64, 4096, 16, 64),
-    (65, 4096, 16, 128),  # the next power of two
-    (73, 4096, 16, 128),
-    (3000, 4096, 16, 4096),
-    (3000, 3500, 16, 3500),  # never past the family's full width
+    (65, 4096, 16, 96),  # the next half-octave width: 1.5 x 64
+    (73, 4096, 16, 96),
+    (96, 4096, 16, 96),
+    (97, 4096, 16, 128),  # then a power of two
+    (129, 4096, 16, 192),
+    (3000, 4096, 16, 3072),
+    (3073, 4096, 16, 4096),
+    (3000, 3500, 16, 3072),
+    (3100, 3500, 16, 3500),  # never past the family's full width
     (10, 30, 4, 30),
+    (17, 100, 64, 24),  # 1.5 x 16 (16 pages of 64 are the 1024 tokens)
     (1, 8, 2048, 1),
+    (2, 8, 2048, 2),
+    (3, 8, 2048, 3),  # 1.5 x 2 is 3
 ])
 def test_fitted_table_width(pages, full, page_size, want):
     assert MIN_FITTED_TABLE_TOKENS == 1024

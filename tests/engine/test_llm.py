@@ -513,7 +513,7 @@ def test_shapes_not_warmed_up_compile_on_first_use_with_a_log_line(hybrid):
 
 
 def test_decode_tables_grow_with_the_context_and_give_the_same_tokens(hybrid, monkeypatch):
-    """A decode step's block tables span its rows' pages in power-of-two widths, not max_model_len: the same
+    """A decode step's block tables span its rows' pages in half-octave widths, not max_model_len: the same
     tokens and log-probabilities as full-width tables while the context crosses several widths (attention and a
     sliding window), each width compiled when first needed."""
     case, model, _ = hybrid
