@@ -167,7 +167,7 @@ def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_
     GPU's trace of each CTA's phases there (a JSON file per call)."""
     R, D = plan.rows, plan.hidden
     dtype = h.dtype
-    d_blocks, out_tiles, down_blocks = D // BLOCK_K, D // TILE, D // (2 * TILE)
+    d_blocks, out_tiles, down_blocks = D // BLOCK_K, D // TILE, plan.down_blocks
     gd, dd, od, ctas = plan.gate_up_depth, plan.down_depth, plan.out_depth, plan.gate_up_ctas
     group, issue_at = plan.down_group, plan.down_issue_step
     blk = 2 * TILE  # output features per down block

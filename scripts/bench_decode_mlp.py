@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--down-depth", type=int, default=None, help="the kernel's most down-projection stages "
                     f"(default {decode_mlp.DOWN_DEPTH}; the schedule gives the rest of the SMEM to gate/up stages)")
     ap.add_argument("--issue-step", type=int, default=None, help="the gate/up step before which the kernel issues "
-                    f"its first down loads (0: before the loop; default: after the last gate/up load)")
+                    "its first down loads (0: before the loop; default: after the last gate/up load)")
     ap.add_argument("--group-regs", type=int, default=None, help="accumulator registers per thread for one wgmma "
                     f"over several down blocks (default {decode_mlp.GROUP_REGS}; 8 or less: one block per wgmma)")
     ap.add_argument("--smem-kb", type=int, default=None, help="the kernel's SMEM budget per CTA in KiB (default "
