@@ -34,7 +34,7 @@ K-split):
 
 Splits: B * G programs already fill the GPU at a large batch; small batches or long contexts need more. The
 default picks the smallest count giving at least ``min_programs`` programs, capped so each split keeps at least
-``min_pages_per_split`` pages of the widest possible visible range. All block sizes are static kwargs so the
+two blocks of the widest possible visible range (``choose_splits``). All block sizes are static kwargs so the
 benchmark can sweep them (``scripts/bench_attention.py --sweep``).
 
 fp32 inputs use IEEE (precision HIGHEST) dots so the kernel matches the fp32 reference to ~1e-6; bf16/f16 inputs
@@ -94,15 +94,50 @@ def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, win
         raise ValueError(f"window must be None or a positive int, got {window!r}")
 
 
+# Two regimes of the default schedule, measured in the engine at the 0.5B geometry (D = 64, G = 2, context 1024;
+# H200, 2026-11-27, ms per step, all-attention / a12-g1-k11). While the programs fit in one wave of the GPU's SMs
+# (one row: 18 programs) each program runs alone and latency rules: 64-token blocks in splits of two blocks (8
+# splits) gave B=1 0.698 / 0.846-0.849 against 0.710-0.713 / 0.854-0.855 with 128-token blocks in 4 splits. Past
+# one wave, per-program fixed costs and the split-K merge rule: 128-token blocks in 4 splits gave B=8 0.855-0.870
+# / 1.054-1.057 against 0.880-0.881 / 1.060-1.070, and B=32 1.125-1.128 / 1.302-1.304 against 1.191 / 1.342-1.351.
+ONE_WAVE_PROGRAMS = 132  # an H100's or H200's SM count
+# Key positions one loop iteration gathers at 2-byte dtypes, by regime: 64 tokens while latency rules; past one
+# wave, 16 KB of K (and as much of V) per KV head: 128 tokens at D = 64, 64 (the same) from D = 128 up.
+LATENCY_BLOCK_TOKENS = 64
+THROUGHPUT_BLOCK_ELEMENTS = 8192
+MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost and its share of the merge for little
+
+
 def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
-                  min_programs: int = 1024, min_tokens_per_split: int = 128) -> int:
+                  min_programs: int = 1024, min_tokens_per_split: int | None = None) -> int:
     """Number of K-splits: enough programs to fill the GPU (several waves of 132 SMs, so the tail wave is short)
     without splits so short that the per-split fixed cost and the combine dominate. ``max_tokens``: the widest
-    visible range a row can have (the table's span, or the window). 128 tokens per split at least: in the
-    engine's decode at B=1, context 1024 (0.5B geometry, H200) 128 gave a 1.19 ms step, 512 gave 1.30 ms."""
+    visible range a row can have (the table's span, or the window). Each split spans at least
+    ``min_tokens_per_split`` tokens (default: ``MIN_BLOCKS_PER_SPLIT`` blocks, and 128): in the engine's decode at
+    B=1, context 1024 (0.5B geometry, H200) splits of 128 tokens gave a 1.19 ms step, 512 gave 1.30 ms."""
+    if min_tokens_per_split is None:
+        min_tokens_per_split = max(128, MIN_BLOCKS_PER_SPLIT * block_tokens)
     want = -(-min_programs // (batch * groups))
     most = max(1, max_tokens // max(min_tokens_per_split, block_tokens))
     return max(1, min(want, most))
+
+
+def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dtype,
+                     min_programs: int = 1024) -> tuple[int, int]:
+    """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
+    the registers). 2-byte dtypes: ``LATENCY_BLOCK_TOKENS`` where the programs they give fit in one wave
+    (``ONE_WAVE_PROGRAMS``), else throughput-regime blocks (``THROUGHPUT_BLOCK_ELEMENTS``); splits by
+    ``choose_splits``."""
+    if jnp.dtype(dtype) == jnp.float32:
+        block = 32
+        return block, choose_splits(batch, groups, max_tokens, block, min_programs)
+    block = LATENCY_BLOCK_TOKENS
+    splits = choose_splits(batch, groups, max_tokens, block, min_programs)
+    if batch * groups * splits > ONE_WAVE_PROGRAMS:
+        # At most 128 tokens: the [R, N] scores' registers.
+        block = min(128, max(block, _next_power_of_two(THROUGHPUT_BLOCK_ELEMENTS // head_dim)))
+        splits = choose_splits(batch, groups, max_tokens, block, min_programs)
+    return block, splits
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
@@ -263,7 +298,7 @@ def paged_attention_decode(
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
-    64 for 2-byte dtypes, 32 for fp32; at D = 128 bf16 that is 16 KB of K and 16 KB of V per stage); splits:
+    ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs; 32 for fp32); splits:
     K-splits per (row, KV head) (default: ``choose_splits``); num_warps (default 4, 8 for fp32, whose IEEE dots
     run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page ids
     are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep num_stages - 1
@@ -354,13 +389,14 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
     width = block_table.shape[1]
     rep = heads // groups
     fp32 = q.dtype == jnp.float32
+    max_tokens = width * page_size if window is None else min(width * page_size, window)
     if block_tokens is None:
-        block_tokens = 32 if fp32 else 64
+        block_tokens, auto_splits = default_schedule(batch, groups, max_tokens, head_dim, q.dtype, min_programs)
+        splits = auto_splits if splits is None else splits
     if num_warps is None:
         num_warps = 8 if fp32 else 4
     if not (_is_power_of_two(block_tokens) and block_tokens >= 16):
         raise ValueError(f"block_tokens={block_tokens} must be a power of two >= 16 (Triton blocks, dot sizes)")
-    max_tokens = width * page_size if window is None else min(width * page_size, window)
     if splits is None:
         splits = choose_splits(batch, groups, max_tokens, block_tokens, min_programs)
     if splits < 1:

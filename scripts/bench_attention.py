@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
-from pallas_kernels.paged_attention_decode import choose_splits, paged_attention_decode  # noqa: E402
+from pallas_kernels.paged_attention_decode import (  # noqa: E402
+    default_schedule, paged_attention_decode)
 
 
 def log(*a):
@@ -182,8 +183,8 @@ def decode_section(args, bandwidth):
                 prefetch_ids=prefetch, interpret=dry))
 
         max_tokens = width * page_size if window is None else min(width * page_size, window)
-        auto_splits = choose_splits(batch, groups, max_tokens, 64)
-        configs = [(64, 4, 3, None, 1)]  # the kernel's defaults for bf16
+        auto_block, auto_splits = default_schedule(batch, groups, max_tokens, dim, dtype)
+        configs = [(auto_block, 4, 3, None, 1)]  # the kernel's defaults for bf16
         if args.sweep:
             configs += sweep_configs(page_size, dry, full=case_index == 0)
         results = []

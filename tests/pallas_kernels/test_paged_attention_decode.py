@@ -129,6 +129,47 @@ def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
             assert "triton" in lowered.as_text().lower()
 
 
+def test_cross_lowers_for_cuda_with_128_token_blocks():
+    """The 0.5B geometry at 32 rows (14 query heads over 2 KV heads, D = 64): the default schedule's throughput
+    regime, 128-token blocks."""
+    S = jax.ShapeDtypeStruct
+    batch, heads, groups, dim, page_size, width = 32, 14, 2, 64, 16, 73
+    pages = batch * width + 1
+    args = (
+        S((batch, 1, heads, dim), jnp.bfloat16),
+        S((pages, page_size, groups, dim), jnp.bfloat16),
+        S((pages, page_size, groups, dim), jnp.bfloat16),
+        S((batch, width), jnp.int32),
+        S((batch,), jnp.int32),
+        S((batch, 1), jnp.int32),
+    )
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = paged_attention_decode.trace(*args).lower(lowering_platforms=("cuda",))
+    assert "paged_attention_decode_ps16_n128_s4" in lowered.as_text()
+
+
+def test_bf16_128_token_blocks_at_head_dim_64():
+    x = _inputs(2, 4, 2, 16, head_dim=64, dtype=jnp.bfloat16)
+    _check(x, None, 1e-2, splits=1, block_tokens=128)
+
+
+def test_default_schedule_regimes():
+    """64-token blocks while the programs fit in one wave of SMs; past it, 16 KB blocks per KV head (128 tokens at
+    D = 64, still 64 at D = 128) in splits of at least two blocks; fp32 keeps 32-token blocks."""
+    from pallas_kernels.paged_attention_decode import default_schedule
+
+    bf16 = jnp.bfloat16
+    assert default_schedule(1, 2, 1168, 64, bf16) == (64, 9)  # 18 programs: latency regime
+    assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72
+    assert default_schedule(8, 2, 1168, 64, bf16) == (128, 4)  # 144 at 64-token blocks: past one wave
+    assert default_schedule(32, 2, 1168, 64, bf16) == (128, 4)
+    assert default_schedule(32, 2, 1536, 64, bf16) == (128, 6)
+    assert default_schedule(8, 8, 32768, 128, bf16) == (64, 16)  # D = 128: the same blocks either way
+    assert default_schedule(1, 8, 1024, 128, bf16) == (64, 8)
+    assert default_schedule(8, 2, 1168, 64, jnp.float32) == (32, 9)
+
+
 def test_choose_splits_fills_the_gpu_only_with_long_enough_splits():
     from pallas_kernels.paged_attention_decode import choose_splits
 
@@ -136,6 +177,7 @@ def test_choose_splits_fills_the_gpu_only_with_long_enough_splits():
     assert choose_splits(8, 8, 32768, 64) == 16  # enough programs (1024) long before the split length binds
     assert choose_splits(256, 8, 32768, 64) == 1
     assert choose_splits(1, 1, 100, 64) == 1
+    assert choose_splits(32, 2, 1168, 128) == 4  # 128-token blocks: splits of >= two blocks
 
 
 # ------------------------------------------------------------------ RoPE + page write + attention in one kernel
