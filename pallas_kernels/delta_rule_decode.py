@@ -8,7 +8,9 @@ and the output slab; q/k L2 normalisation and the q scale happen in the kernel. 
 state is read and written once, nothing else of that size moves. Slabs over V are independent because every
 reduction of the update runs over K.
 
-The reference (and CPU path) is ``apriel2_jax.ops.delta_rule.delta_rule_decode_slots``.
+The reference (and CPU path) is ``apriel2_jax.ops.delta_rule.delta_rule_decode_slots``. ``delta_rule_decode_packed``
+reads q, k and v from GDN's conv output buffer [B, 2 H_k K + H V] at their offsets (oracle
+``delta_rule_decode_slots_packed``): three arrays would cost the step three slice copies per GDN layer.
 """
 
 from __future__ import annotations
@@ -61,13 +63,25 @@ def program_ids(slab_fastest: bool):
     return pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
 
-def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *, rep, scale, bv, hp,
-            slab_fastest):
+def _kernel(slots_ref, fresh_ref, *refs, rep, scale, bv, hp, slab_fastest, packed):
+    if packed is None:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref = refs
+    else:  # one [B, 2 H_k K + H V] buffer: q heads, k heads, v heads
+        mixed_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref = refs
     del state_in_ref  # aliased with state_ref: the pool is updated in place
     row, group, slab = program_ids(slab_fastest)
     slot = slots_ref[row]
     fresh = fresh_ref[row] != 0
     cols = pl.ds(slab * bv, bv)
+
+    def qkv(key_head, head):
+        if packed is None:
+            return q_ref[row, key_head, :], k_ref[row, key_head, :], v_ref[row, head, cols]
+        key_heads, key_dim, value_dim = packed
+        key_size = key_heads * key_dim
+        return (mixed_ref[row, pl.ds(key_head * key_dim, key_dim)],
+                mixed_ref[row, pl.ds(key_size + key_head * key_dim, key_dim)],
+                mixed_ref[row, pl.ds(2 * key_size + head * value_dim + slab * bv, bv)])
 
     def one_head(i, carry):
         # ``hp`` heads per program, in a loop that Triton can software-pipeline (the next slab loads while this
@@ -75,18 +89,18 @@ def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in
         head = group * hp + i
         key_head = head // rep
         decay = jnp.exp(g_ref[row, head, :].astype(F32))  # [1] (GDN) or [K] (KDA)
-        update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q_ref[row, key_head, :].astype(F32),
-                    k_ref[row, key_head, :].astype(F32), v_ref[row, head, cols].astype(F32), decay[:, None],
-                    beta_ref[row, head].astype(F32), scale)
+        q, k, v = qkv(key_head, head)
+        update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q.astype(F32), k.astype(F32), v.astype(F32),
+                    decay[:, None], beta_ref[row, head].astype(F32), scale)
         return carry
 
     jax.lax.fori_loop(0, hp, one_head, 0)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_v", "num_warps", "heads_per_program", "num_stages", "slab_fastest", "interpret"),
-    donate_argnames=("state_pool",),
-)
+_STATIC = ("block_v", "num_warps", "heads_per_program", "num_stages", "slab_fastest", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state_pool",))
 def delta_rule_decode(
     q: jax.Array,
     k: jax.Array,
@@ -107,24 +121,63 @@ def delta_rule_decode(
     state_pool: [N, H, K, V] fp32, updated in place (donated); slots: [B] int32 pool rows (repeats only for the
     sink); fresh: [B] bool, rows whose state starts from zeros (a one-token prompt in a reused slot).
     Returns o [B, H, V] in v's dtype and the pool."""
-    batch, heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1:]
+    return _launch((q, k, v), key_heads, key_dim, v.shape[2], g, beta, state_pool, slots, fresh, v.dtype,
+                   packed=False, block_v=block_v, num_warps=num_warps, heads_per_program=heads_per_program,
+                   num_stages=num_stages, slab_fastest=slab_fastest, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim") + _STATIC, donate_argnames=("state_pool",))
+def delta_rule_decode_packed(
+    mixed: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    key_heads: int,
+    key_dim: int,
+    block_v: int = 64,
+    num_warps: int = 2,
+    heads_per_program: int = 1,
+    num_stages: int = 1,
+    slab_fastest: bool = True,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """``delta_rule_decode`` reading q, k and v from one buffer (the oracle
+    ``apriel2_jax.ops.delta_rule.delta_rule_decode_slots_packed``): mixed [B, 2 H_k K + H V]."""
+    heads = beta.shape[1]
+    value_size = mixed.shape[1] - 2 * key_heads * key_dim
+    if mixed.ndim != 2 or value_size <= 0 or value_size % heads:
+        raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + {heads} * V], got "
+                         f"{list(mixed.shape)}")
+    return _launch((mixed,), key_heads, key_dim, value_size // heads, g, beta, state_pool, slots, fresh,
+                   mixed.dtype, packed=True, block_v=block_v, num_warps=num_warps,
+                   heads_per_program=heads_per_program, num_stages=num_stages, slab_fastest=slab_fastest,
+                   interpret=interpret)
+
+
+def _launch(qkv, key_heads, key_dim, value_dim, g, beta, state_pool, slots, fresh, dtype, *, packed, block_v,
+            num_warps, heads_per_program, num_stages, slab_fastest, interpret):
+    batch, heads = beta.shape
     block_v = min(block_v, value_dim)
     if g.ndim == 2:
         g = g[..., None]
     if heads % heads_per_program:
         raise ValueError(f"heads_per_program={heads_per_program} must divide the {heads} heads")
     kernel = functools.partial(_kernel, rep=heads // key_heads, scale=key_dim**-0.5, bv=block_v, hp=heads_per_program,
-                               slab_fastest=slab_fastest)
+                               slab_fastest=slab_fastest, packed=(key_heads, key_dim, value_dim) if packed else None)
+    inputs = (slots.astype(jnp.int32), fresh.astype(jnp.int32), *qkv, g.astype(F32), beta, state_pool)
     return pl.pallas_call(
         kernel,
         name="delta_rule_decode",
         grid=launch_grid(batch, heads // heads_per_program, value_dim // block_v, slab_fastest),
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, F32)),
-        input_output_aliases={7: 1},
+        out_shape=(jax.ShapeDtypeStruct((batch, heads, value_dim), dtype), jax.ShapeDtypeStruct(state_pool.shape, F32)),
+        input_output_aliases={len(inputs) - 1: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(slots.astype(jnp.int32), fresh.astype(jnp.int32), q, k, v, g.astype(F32), beta, state_pool)
+    )(*inputs)
 
 
 DISPATCH_CONFIG = dict(block_v=64, num_warps=4, heads_per_program=1, num_stages=1, slab_fastest=True)
@@ -139,3 +192,15 @@ def decode_slots(q, k, v, g, beta, state_pool, slots, fresh):
     # Best of scripts/sweep_decode.py for both mixers (H100, 2026-11-22, device time, two runs): 64-wide slabs,
     # 4 warps, slabs of a head launched together; 99-102% (GDN) and 96-101% (KDA) of measured HBM bandwidth.
     return delta_rule_decode(q, k, v, g, beta, state_pool, slots, fresh, **DISPATCH_CONFIG)
+
+
+def decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, *, key_heads, key_dim):
+    """Dispatch entry for "delta_rule_decode_slots_packed" (GDN's conv output read in place)."""
+    from apriel2_jax.ops.delta_rule import delta_rule_decode_slots_packed, split_packed_qkv
+
+    q, _, v = jax.eval_shape(lambda m: split_packed_qkv(m, key_heads, key_dim, beta.shape[1]), mixed)
+    if not supported(q, v, g if g.ndim == 3 else g[..., None]):
+        return delta_rule_decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, key_heads=key_heads,
+                                              key_dim=key_dim)
+    return delta_rule_decode_packed(mixed, g, beta, state_pool, slots, fresh, key_heads=key_heads, key_dim=key_dim,
+                                    **DISPATCH_CONFIG)

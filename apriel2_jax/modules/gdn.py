@@ -95,9 +95,10 @@ class GatedDeltaNet(nnx.Module):
             return self._paged_decode_fused(fused, x, batch, pool)
         qkv, z, beta, g = self._project(x)
         mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
-        q, k, v = self._split(mixed)
-        o, ssm = op("delta_rule_decode_slots")(
-            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+        # q|k|v stay in the conv's output buffer: the update kernel reads them there, no slice copies
+        o, ssm = op("delta_rule_decode_slots_packed")(
+            mixed[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh,
+            key_heads=self.cfg.key_heads, key_dim=self.cfg.key_head_dim,
         )
         return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
 

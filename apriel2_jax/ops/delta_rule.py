@@ -218,6 +218,37 @@ def delta_rule_decode_slots(
     return out.astype(v.dtype), state_pool.at[slots].set(rows)
 
 
+def split_packed_qkv(mixed: jax.Array, key_heads: int, key_dim: int, value_heads: int):
+    """q, k [B, H_k, K] and v [B, H, V] from a GDN decode row's packed conv output [B, 2 H_k K + H V]."""
+    batch = mixed.shape[0]
+    key_size = key_heads * key_dim
+    if mixed.ndim != 2 or (mixed.shape[1] - 2 * key_size) <= 0 or (mixed.shape[1] - 2 * key_size) % value_heads:
+        raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + {value_heads} * V], got "
+                         f"{list(mixed.shape)}")
+    q = mixed[:, :key_size].reshape(batch, key_heads, key_dim)
+    k = mixed[:, key_size : 2 * key_size].reshape(batch, key_heads, key_dim)
+    v = mixed[:, 2 * key_size :].reshape(batch, value_heads, -1)
+    return q, k, v
+
+
+def delta_rule_decode_slots_packed(
+    mixed: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    key_heads: int,
+    key_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``delta_rule_decode_slots`` with q, k and v side by side in one buffer, as GDN's conv leaves them:
+    mixed [B, 2 H_k K + H V] (q heads, then k heads, then v heads); the value heads H are g's and beta's.
+    A kernel reading the buffer in place saves the step three slice copies per GDN layer."""
+    q, k, v = split_packed_qkv(mixed, key_heads, key_dim, beta.shape[1])
+    return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill over a flat token buffer against a state-slot pool (the engine's layout): the oracle of
 # pallas_kernels.delta_rule_prefill

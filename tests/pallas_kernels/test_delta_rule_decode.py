@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from apriel2_jax.ops.delta_rule import delta_rule_decode_slots
-from pallas_kernels.delta_rule_decode import decode_slots, delta_rule_decode, supported
+from apriel2_jax.ops.delta_rule import delta_rule_decode_slots, delta_rule_decode_slots_packed
+from pallas_kernels.delta_rule_decode import (decode_slots, decode_slots_packed, delta_rule_decode,
+                                              delta_rule_decode_packed, supported)
 
 
 def _inputs(seed, kda, batch=3, key_heads=2, heads=4, key_dim=16, value_dim=32, pool=7, dtype=jnp.float32):
@@ -41,6 +42,38 @@ def test_kernel_matches_reference_fp32(kda, block_v, hp, slab_fastest):
     assert _rel(o, o_ref) <= 1e-5 and _rel(pool, pool_ref) <= 1e-5
     untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
     np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(x["state_pool"])[untouched])
+
+
+def _packed(x):
+    """GDN's conv output for ``x``'s q, k, v: [B, 2 H_k K + H V], q heads then k heads then v heads."""
+    batch = x["q"].shape[0]
+    return jnp.concatenate([x[n].reshape(batch, -1) for n in ("q", "k", "v")], axis=1)
+
+
+@pytest.mark.parametrize("dtype, block_v, hp, tol", [(jnp.float32, 16, 2, 1e-5), (jnp.bfloat16, 32, 1, 1e-2)])
+def test_packed_kernel_matches_the_unpacked_reference(dtype, block_v, hp, tol):
+    x = _inputs(3, kda=False, dtype=dtype)
+    o_ref, pool_ref = delta_rule_decode_slots(**x)
+    rest = {n: x[n] for n in ("g", "beta", "slots", "fresh")}
+    o_op, pool_op = delta_rule_decode_slots_packed(_packed(x), **rest, state_pool=x["state_pool"], key_heads=2,
+                                                   key_dim=16)
+    np.testing.assert_array_equal(np.asarray(o_op, np.float32), np.asarray(o_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(pool_op), np.asarray(pool_ref))
+    o, pool = delta_rule_decode_packed(_packed(x), **rest, state_pool=x["state_pool"].copy(), key_heads=2, key_dim=16,
+                                       block_v=block_v, heads_per_program=hp, interpret=True)
+    assert o.shape == o_ref.shape and o.dtype == dtype
+    assert _rel(o, o_ref) <= tol and _rel(pool, pool_ref) <= 1e-5
+    untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(x["state_pool"])[untouched])
+
+
+def test_packed_buffer_of_the_wrong_width_is_refused():
+    x = _inputs(3, kda=False)
+    rest = {n: x[n] for n in ("g", "beta", "slots", "fresh")}
+    mixed = _packed(x)[:, :-1]
+    for fn in (delta_rule_decode_slots_packed, decode_slots_packed):
+        with pytest.raises(ValueError, match="packed q"):
+            fn(mixed, **rest, state_pool=x["state_pool"], key_heads=2, key_dim=16)
 
 
 def test_fresh_rows_ignore_the_stale_slot_contents():
@@ -90,3 +123,24 @@ def test_cross_lowers_for_cuda_at_production_shapes(kda):
     text = lowered.as_text()
     assert "triton" in text.lower()
     assert "input_output_alias" in text or "tf.aliasing_output" in text  # the pool is updated in place
+
+
+def test_packed_kernel_cross_lowers_for_cuda():
+    """The 0.5B geometry's GDN: 32 rows, 14 value heads over 2 key heads, K = V = 64, bf16 operands."""
+    S = jax.ShapeDtypeStruct
+    batch, heads, key_heads, dim, pool = 32, 14, 2, 64, 33
+    args = (
+        S((batch, 2 * key_heads * dim + heads * dim), jnp.bfloat16),
+        S((batch, heads), jnp.float32),
+        S((batch, heads), jnp.float32),
+        S((pool, heads, dim, dim), jnp.float32),
+        S((batch,), jnp.int32),
+        S((batch,), jnp.bool_),
+    )
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = delta_rule_decode_packed.trace(*args, key_heads=key_heads, key_dim=dim, block_v=64,
+                                                 num_warps=4).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "triton" in text.lower()
+    assert "input_output_alias" in text or "tf.aliasing_output" in text
