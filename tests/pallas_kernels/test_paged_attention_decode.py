@@ -107,12 +107,9 @@ def test_bad_inputs_raise():
         paged_attention_decode(**x, window=0, interpret=True)
 
 
-@pytest.mark.parametrize("page_size, window", [(64, None), (16, None), (64, 1024)])
-def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
-    """64 sequences at 4096 tokens, 32 query heads over 8 KV heads, D = 128, bf16."""
+def _lowered_for_cuda(batch, heads, groups, dim, page_size, width, **kw):
+    """The kernel at these bf16 shapes, lowered for an H100 from this CPU: its module text."""
     S = jax.ShapeDtypeStruct
-    batch, heads, groups, dim, context = 64, 32, 8, 128, 4096
-    width = context // page_size
     pages = batch * width + 1
     args = (
         S((batch, 1, heads, dim), jnp.bfloat16),
@@ -124,29 +121,21 @@ def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
     )
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for kw in ({}, dict(splits=1)):
-            lowered = paged_attention_decode.trace(*args, window=window, **kw).lower(lowering_platforms=("cuda",))
-            assert "triton" in lowered.as_text().lower()
+        return paged_attention_decode.trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("page_size, window", [(64, None), (16, None), (64, 1024)])
+def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
+    """64 sequences at 4096 tokens, 32 query heads over 8 KV heads, D = 128, bf16."""
+    for kw in ({}, dict(splits=1)):
+        text = _lowered_for_cuda(64, 32, 8, 128, page_size, 4096 // page_size, window=window, **kw)
+        assert "triton" in text.lower()
 
 
 def test_cross_lowers_for_cuda_with_128_token_blocks():
     """The 0.5B geometry at 32 rows (14 query heads over 2 KV heads, D = 64): the default schedule's throughput
     regime, 128-token blocks."""
-    S = jax.ShapeDtypeStruct
-    batch, heads, groups, dim, page_size, width = 32, 14, 2, 64, 16, 73
-    pages = batch * width + 1
-    args = (
-        S((batch, 1, heads, dim), jnp.bfloat16),
-        S((pages, page_size, groups, dim), jnp.bfloat16),
-        S((pages, page_size, groups, dim), jnp.bfloat16),
-        S((batch, width), jnp.int32),
-        S((batch,), jnp.int32),
-        S((batch, 1), jnp.int32),
-    )
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        lowered = paged_attention_decode.trace(*args).lower(lowering_platforms=("cuda",))
-    assert "paged_attention_decode_ps16_n128_s4" in lowered.as_text()
+    assert "paged_attention_decode_ps16_n128_s4" in _lowered_for_cuda(32, 14, 2, 64, 16, 73)
 
 
 def test_bf16_128_token_blocks_at_head_dim_64():
