@@ -234,7 +234,8 @@ def step_breakdown(intervals: list[tuple[str, float, float]], steps: int) -> dic
     }
 
 
-def print_breakdown(title: str, breakdown: dict) -> None:
+def print_breakdown(title: str, breakdown: dict, sources: dict[str, str] | None = None) -> None:
+    """``sources``: {kernel name: where it comes from} (``hlo_sources``), printed after the top kernels' names."""
     if not breakdown:
         print(f"{title}: no GPU events")
         return
@@ -243,4 +244,112 @@ def print_breakdown(title: str, breakdown: dict) -> None:
           f"idle {b['idle_us']:.0f}, {b['events']:.0f} GPU events")
     print("  busy by kind (us/step): " + ", ".join(f"{k} {v:.1f}" for k, v in b["kinds_us"].items()))
     for name, us in b["top_us"].items():
-        print(f"    {us:8.1f} us  {name[:110]}")
+        where = (sources or {}).get(name)
+        print(f"    {us:8.1f} us  {name[:110]}" + (f"  <- {where}" if where else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which source lines an XLA kernel comes from: a trace names kernels by their HLO instruction (``fusion_966``,
+# ``wrapped_concatenate_11``), which says nothing of the model code that made them. The optimized HLO module
+# carries each instruction's metadata (JAX's op name and the Python file and line that traced it).
+
+_HLO_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HLO_CALLS = re.compile(r"calls=\{?%?([\w.\-]+)")
+_HLO_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_HLO_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_HLO_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_HLO_TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
+_HLO_FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+def _hlo_frames(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{stack frame id: (file, line)} from the tables an HLO module's text starts with (FileNames,
+    FileLocations, StackFrames), where newer XLA keeps source locations; instructions name a frame id."""
+    tables: dict[str, dict[str, str]] = {}
+    section = None
+    for line in hlo_text.splitlines():
+        stripped = line.strip()
+        if stripped in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = tables.setdefault(stripped, {})
+            continue
+        row = _HLO_TABLE_ROW.match(stripped) if section is not None else None
+        if row is None:
+            section = None
+            if stripped.startswith(("%", "ENTRY")):  # the computations: the tables are behind
+                break
+            continue
+        section[row.group(1)] = row.group(2)
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    locations = {k: dict(_HLO_FIELD.findall(v)) for k, v in tables.get("FileLocations", {}).items()}
+    frames = {}
+    for frame, row in tables.get("StackFrames", {}).items():
+        location = locations.get(dict(_HLO_FIELD.findall(row)).get("file_location_id", ""), {})
+        if "file_name_id" in location:
+            frames[frame] = (files.get(location["file_name_id"], "?"), location.get("line", "?"))
+    return frames
+
+
+def _short_path(path: str) -> str:
+    """A source file as the repository names it (``apriel2_jax/modules/kda.py``), else its base name."""
+    for root in ("apriel2_jax/", "pallas_kernels/", "scripts/"):
+        if root in path:
+            return root + path.split(root, 1)[1]
+    return os.path.basename(path)
+
+
+def hlo_sources(hlo_text: str, most: int = 3) -> dict[str, str]:
+    """{instruction name: "file:line, file:line (op)"} for every instruction of an HLO module's text: the
+    ``most`` source lines that the instruction and the computation it calls (a fusion's body) were traced
+    from, most frequent first, and the instruction's own JAX op name (its last component)."""
+    instructions: dict[str, tuple[str, str, str | None]] = {}  # name -> (computation, rest of line, callee)
+    members: dict[str, list[str]] = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if match and "{" not in line.split("=", 1)[0]:
+            name, rest = match.groups()
+            callee = _HLO_CALLS.search(rest)
+            instructions[name] = (computation, rest, callee.group(1) if callee else None)
+            members.setdefault(computation, []).append(name)
+            continue
+        header = _HLO_COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+
+    frames = _hlo_frames(hlo_text)
+
+    def lines_of(rest: str) -> list[str]:
+        found = _HLO_SOURCE.findall(rest) + [frames[i] for i in _HLO_FRAME.findall(rest) if i in frames]
+        return [f"{_short_path(f)}:{n}" for f, n in found]
+
+    out = {}
+    for name, (_, rest, callee) in instructions.items():
+        counts: dict[str, int] = {}
+        for where in lines_of(rest) + [w for m in members.get(callee or "", ()) for w in lines_of(instructions[m][1])]:
+            counts[where] = counts.get(where, 0) + 1
+        ranked = sorted(counts, key=lambda w: -counts[w])[:most]
+        op = _HLO_OP_NAME.search(rest)
+        label = ", ".join(ranked)
+        if op:
+            label += f" ({op.group(1).rsplit('/', 1)[-1]})"
+        if label:
+            out[name] = label.strip()
+    return out
+
+
+def hlo_dump_sources(dump_dir: str, kernel_names) -> dict[str, str]:
+    """``hlo_sources`` of the optimized module in an XLA dump directory (``XLA_FLAGS=--xla_dump_to=DIR
+    --xla_dump_hlo_as_text``) that names the most of ``kernel_names`` (a trace's kernels): instruction names
+    repeat across modules, and the best-covering one is the traced step's. Empty if none matches."""
+    import glob
+
+    names = set(kernel_names)
+    best, best_hits = {}, 0
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
+        with open(path) as f:
+            sources = hlo_sources(f.read())
+        hits = len(names & sources.keys())
+        if hits > best_hits:
+            best, best_hits = sources, hits
+    return best

@@ -56,8 +56,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from apriel2_jax.benchmarking import (append_jsonl, device_intervals, hbm_bandwidth, print_breakdown, print_rows,  # noqa: E402
-                                      step_breakdown, trace_events)
+from apriel2_jax.benchmarking import (append_jsonl, device_intervals, hbm_bandwidth, hlo_dump_sources,  # noqa: E402
+                                      print_breakdown, print_rows, step_breakdown, trace_events)
 from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.config import parse_config  # noqa: E402
 from apriel2_jax.engine.cache_layout import CacheConfigError, cache_layout, plan_cache  # noqa: E402
@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                     help="profile decode and prefill steps (jax.profiler) and print where the device time goes")
     ap.add_argument("--trace-dir", default=None,
                     help="--trace: keep the profiler traces under this directory (one per traced workload)")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="--trace: dump the engine step's optimized HLO under this directory (through XLA_FLAGS) and "
+                    "print the source lines each top kernel comes from")
     ap.add_argument("--tensor-parallel", nargs="+", default=["none"], metavar="N|none",
                     help="one row set per entry: 'none' (default) runs the one-device model, N splits it over N "
                     "devices through the tensor-parallel path (1: that path on one device, to measure its cost)")
@@ -159,6 +162,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.placement and not args.sampler:
         ap.error("--placement is required (one or more placement names of the config)")
+    if args.hlo_dir:
+        if not args.trace:
+            ap.error("--hlo-dir names the kernels of --trace's breakdown: pass --trace too")
+        # XLA reads its flags when the first backend starts, which has not happened yet.
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.hlo_dir} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=_step_fn").strip()
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
     if args.decode_mlp_kernel and args.xla_decode_projections:
@@ -198,6 +208,11 @@ def main(argv=None) -> int:
         if args.json:
             append_jsonl(args.json, rows)
     return 0
+
+
+def kernel_sources(args, breakdown: dict) -> dict[str, str] | None:
+    """``--hlo-dir``: where the breakdown's top kernels come from, from the dumped step modules."""
+    return hlo_dump_sources(args.hlo_dir, breakdown.get("top_us", {})) if args.hlo_dir else None
 
 
 def trace_path(args, what: str) -> str | None:
@@ -279,9 +294,10 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
         before = llm.stats.steps
         events = trace_events(lambda: llm.generate(traced, SamplingParams(max_new_tokens=1, ignore_eos=True)), 1,
                               trace_path(args, f"prefill_{name}"))
+        breakdown = step_breakdown(device_intervals(events), llm.stats.steps - before)
         print_breakdown(f"prefill {name} ({args.prefill_batch} x {args.prompt_len}, "
                         f"budget {llm.scheduler_config.max_num_batched_tokens} tokens)",
-                        step_breakdown(device_intervals(events), llm.stats.steps - before))
+                        breakdown, kernel_sources(args, breakdown))
     rows = []
     for batch in batches:
         # Decode at context prompt_len on caches admitted as prefilled.
@@ -301,7 +317,8 @@ def run_placement(args, raw: dict, placement, name: str, bandwidth: float, tp: i
             before = llm.stats.decode_steps
             events = trace_events(decode, 1, trace_path(args, f"decode_{name}_B{batch}"))
             breakdown = step_breakdown(device_intervals(events), llm.stats.decode_steps - before)
-            print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown)
+            print_breakdown(f"decode {name} B={batch} context {args.prompt_len}", breakdown,
+                            kernel_sources(args, breakdown))
             device_step_us = breakdown.get("span_us", float("nan"))
         # The step's least bytes over every device's bandwidth (replicated KV heads or padding not counted).
         ideal = decode_bytes(cache_layout(config, llm.placement, dtype_bytes), batch, args.prompt_len, dtype_bytes,

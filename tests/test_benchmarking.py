@@ -1,5 +1,10 @@
 """The trace reader behind the benchmarks' kernel GPU times (apriel2_jax.benchmarking.kernel_times)."""
 
+import re
+
+import jax
+import jax.numpy as jnp
+
 from apriel2_jax.benchmarking import kernel_times, per_call_us
 
 
@@ -58,3 +63,46 @@ def test_device_intervals_reads_one_device_of_a_tensor_parallel_trace():
     assert b["span_us"] == 8.0 and b["idle_us"] == 2.0
     assert b["kinds_us"] == {"matmul": 4.0, "collective": 2.0}
     assert kernel_kind("all-reduce-start.3") == "collective" and kernel_kind("psum_884_0_fusion_1") == "collective"
+
+
+def _traced_here(x, w):
+    y = jnp.concatenate([x @ w, x @ w.T], axis=-1)  # the line the concatenation is traced from
+    return jnp.tanh(y) * 2 + 1
+
+
+def _optimized_hlo():
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    return jax.jit(_traced_here).lower(x, w).compile().as_text()
+
+
+def test_hlo_sources_name_the_lines_a_kernel_was_traced_from():
+    import inspect
+
+    from apriel2_jax.benchmarking import hlo_sources
+
+    text = _optimized_hlo()
+    sources = hlo_sources(text)
+    concat_line = inspect.getsourcelines(_traced_here)[1] + 1
+    tanh_line = concat_line + 1
+    # Every fused kernel of the module (XLA names them; the names differ by backend) gets a source line of this
+    # file; the fusion holding the concatenation names its line and the tanh's.
+    fusions = [re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line).group(1) for line in text.splitlines()
+               if " fusion(" in line]
+    assert fusions
+    for name in fusions:
+        assert "test_benchmarking.py:" in sources[name], (name, sources[name])
+    named = " ".join(sources[n] for n in fusions)
+    assert f"test_benchmarking.py:{concat_line}" in named and f"test_benchmarking.py:{tanh_line}" in named
+
+
+def test_hlo_dump_sources_pick_the_module_that_names_the_traced_kernels(tmp_path):
+    from apriel2_jax.benchmarking import hlo_dump_sources, hlo_sources
+
+    text = _optimized_hlo()
+    kernels = list(hlo_sources(text))
+    (tmp_path / "module_0001.jit_other.cpu_after_optimizations.txt").write_text(
+        "HloModule other\n\nENTRY %main (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2]{0} parameter(0)\n}\n")
+    (tmp_path / "module_0002.jit__step_fn.cpu_after_optimizations.txt").write_text(text)
+    (tmp_path / "module_0002.jit__step_fn.cpu_before_optimizations.txt").write_text("not read")
+    assert hlo_dump_sources(str(tmp_path), kernels) == hlo_sources(text)
+    assert hlo_dump_sources(str(tmp_path), ["no_such_kernel"]) == {}
