@@ -9,7 +9,8 @@
 # PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below);
 # "kv15b": time to first token of an 8K prefix loaded through the KV connector (host, disk) vs recomputed.
 # PART "prefill05b": prefill with the defaults, prefill steps chained against one at a time.
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
+# PART "profile05b": traces of the 0.5B decode steps, each top kernel named with its source lines.
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|profile05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -68,6 +69,14 @@ for variant in ("chained", "one_at_a_time"):
         print(f"{row['placement']:<16} {variant:<14} {row['prefill_tok_s']:>13.0f} {row['prefill_wall_tok_s']:>11.0f} "
               f"{row.get('prefill_chained', '-'):>8}")
 PY
+elif [ "$part" = profile05b ]; then
+  # Where the 0.5B decode steps' time goes: a trace per placement and batch, each top kernel named with the model
+  # source lines it comes from (the step's optimized HLO is dumped under $out/hlo).
+  configs=${CONFIGS:-../shared/configs}
+  step profile05b 420 python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --defaults \
+    --placement ${PLACEMENTS:-all-attention every2-kda a12-g1-k11 pure-gdn} --batch 1 32 --prompt-len 1024 \
+    --output-len 32 --prefill-batch 1 --trace --hlo-dir "$out/hlo"
+  grep -E "^decode |^  busy|^ +[0-9.]+ us " "$out/profile05b.log" | head -200
 elif [ "$part" = engine15b ]; then
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
