@@ -148,7 +148,7 @@ def delta_rule_decode_packed(
     """``delta_rule_decode`` reading q, k and v from one buffer (the oracle
     ``apriel2_jax.ops.delta_rule.delta_rule_decode_slots_packed``): mixed [B, 2 H_k K + H V]."""
     heads = beta.shape[1]
-    value_size = mixed.shape[1] - 2 * key_heads * key_dim
+    value_size = mixed.shape[-1] - 2 * key_heads * key_dim
     if mixed.ndim != 2 or value_size <= 0 or value_size % heads:
         raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + {heads} * V], got "
                          f"{list(mixed.shape)}")
