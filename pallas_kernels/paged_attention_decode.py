@@ -96,7 +96,7 @@ def _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, win
 
 # Two regimes of the default schedule, measured in the engine at the 0.5B geometry (D = 64, G = 2, context 1024;
 # H200, 2026-11-27, ms per step, all-attention / a12-g1-k11). While the programs fit in one wave of the GPU's SMs
-# (one row: 18 programs) each program runs alone and latency rules: 64-token blocks in splits of two blocks (8
+# (one row: 18 programs) each program runs alone and latency rules: 64-token blocks in splits of two blocks (9
 # splits) gave B=1 0.698 / 0.846-0.849 against 0.710-0.713 / 0.854-0.855 with 128-token blocks in 4 splits. Past
 # one wave, per-program fixed costs and the split-K merge rule: 128-token blocks in 4 splits gave B=8 0.855-0.870
 # / 1.054-1.057 against 0.880-0.881 / 1.060-1.070, and B=32 1.125-1.128 / 1.302-1.304 against 1.191 / 1.342-1.351.
