@@ -6,6 +6,16 @@
     python scripts/bench_attention.py --sweep --json out.json   # also sweep block configs, report the best
     python scripts/bench_attention.py --dry-run             # tiny shapes, interpret mode, CPU: checks the script
 
+    python scripts/bench_attention.py --section layers --batch-sizes 1 8 32 --heads 14 --groups 2 --dim 64 \
+        --page-size 16 --context 1024 --schedule default 128x4 64x9   # the engine's decode attention layer
+
+Layers (``--section layers``): the engine's decode attention layer (RoPE on the new query and key, the page
+write, paged attention and the XLA merge of the K-splits: ``rope_write_paged_attention_decode``) for
+``--layers`` layers of their own K/V pools chained in a device loop of ``--loop`` iterations (each layer's
+output becomes the next one's query, keys and values), so one call holds milliseconds of device work and the
+host's dispatch stays off the clock; µs per layer, for each batch and each schedule (``default``, or
+``BLOCKxSPLITS`` block tokens and K-splits).
+
 Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
 in the engine's layout [P, page_size, G, D] with block tables in a random page order. Cases: contexts 1024, 4096
 and 16384 at page size 64, 4096 at page size 16, and a sliding-window family (window 4096 at context 16384, whose
@@ -40,10 +50,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth, print_rows  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
-    default_schedule, paged_attention_decode)
+    default_schedule, paged_attention_decode, rope_write_paged_attention_decode)
 
 
 def log(*a):
@@ -247,10 +257,104 @@ def decode_section(args, bandwidth):
     return rows
 
 
+def layer_chain_case(batch, heads, groups, dim, context, page_size, layers, seed=0):
+    """Inputs of one decode step at ``context`` tokens per row (random page order, every row at the same
+    position) and ``layers`` K/V pools of their own."""
+    rng = np.random.default_rng(seed)
+    width = -(-(context + 1) // page_size)
+    num_pages = batch * width + 1
+    perm = rng.permutation(np.arange(1, num_pages)).reshape(batch, width)
+    positions = np.full(batch, context, np.int32)
+    table = np.where(np.arange(width)[None] <= (positions // page_size)[:, None], perm, 0).astype(np.int32)
+    slots = table[np.arange(batch), positions // page_size] * page_size + positions % page_size
+    key = jax.random.key(seed)
+    shape = (num_pages, page_size, groups, dim)
+    pools = [(jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16),
+              jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16)) for i in range(layers)]
+    angles = positions[:, None] * np.linspace(1e-3, 1.0, dim)[None]
+    inputs = dict(cos=jnp.asarray(np.cos(angles), jnp.bfloat16), sin=jnp.asarray(np.sin(angles), jnp.bfloat16),
+                  slots=jnp.asarray(slots, jnp.int32), table=jnp.asarray(table),
+                  first=jnp.zeros(batch, jnp.int32), positions=jnp.asarray(positions[:, None]))
+    qkv = jax.random.normal(jax.random.fold_in(key, 2 * layers), (batch, heads + 2 * groups, dim), jnp.bfloat16)
+    return inputs, (qkv, pools)
+
+
+def layer_chain_us(inputs, carry, groups, loop, interpret=False, repeats=3, **schedule):
+    """µs per layer of the chain (``time_looped``: ``repeats`` rounds of 3 calls), and the carry (donated from
+    call to call: the caller's is consumed)."""
+    layers = len(carry[1])
+
+    def step(x, carry):
+        def body(_, c):
+            qkv, pools = c
+            new = []
+            for k_pages, v_pages in pools:
+                out, k_pages, v_pages = rope_write_paged_attention_decode(
+                    qkv, None, None, x["cos"], x["sin"], x["slots"], k_pages, v_pages, x["table"], x["first"],
+                    x["positions"], interpret=interpret, **schedule)
+                new.append((k_pages, v_pages))
+                qkv = jnp.concatenate([out, out[:, : 2 * groups]], axis=1)
+            return qkv, new
+        return jax.lax.fori_loop(0, loop, body, carry)
+
+    seconds, carry = time_looped(step, [inputs], carry, steps=3, repeats=repeats)
+    return seconds / (layers * loop) * 1e6, carry
+
+
+def parse_schedule(text: str) -> dict:
+    """``default`` or ``BLOCKxSPLITS`` (e.g. ``128x4``) -> the kernel's keyword arguments."""
+    if text == "default":
+        return {}
+    try:
+        block, splits = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"schedule {text!r}: expected 'default' or BLOCKxSPLITS, e.g. 128x4")
+    return dict(block_tokens=block, splits=splits)
+
+
+def layers_section(args):
+    dry = args.dry_run
+    if dry:
+        heads, groups, dim, context, page_size, layers, loop = 4, 2, 16, 40, 8, 2, 2
+        batches = [1, 2]
+    else:
+        heads, groups, dim, context, page_size, layers, loop = (args.heads, args.groups, args.dim, args.context,
+                                                                  args.page_size, args.layers, args.loop)
+        batches = args.batch_sizes
+    rows = []
+    for batch in batches:
+        inputs, carry = layer_chain_case(batch, heads, groups, dim, context, page_size, layers)
+        width = inputs["table"].shape[1]
+        auto = default_schedule(batch, groups, width * page_size, dim, jnp.bfloat16)
+        for text in args.schedule:
+            schedule = parse_schedule(text)
+            us, carry = layer_chain_us(inputs, carry, groups, loop, interpret=dry, repeats=1 if dry else 3,
+                                       **schedule)
+            block, splits = (schedule["block_tokens"], schedule["splits"]) if schedule else auto
+            log(f"[layers] B={batch} block={block} splits={splits}: {us:.2f} us per layer")
+            rows.append(dict(section="layers", batch=batch, heads=f"{heads}/{groups}", dim=dim, context=context,
+                             page_size=page_size, schedule=text, block_tokens=block, splits=splits,
+                             us_per_layer=round(us, 2)))
+        del inputs, carry
+        gc.collect()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--section", default="all", choices=["all", "decode"])
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--section", default="all", choices=["all", "decode", "layers"],
+                    help="all: the decode section; layers: the engine's decode attention layer chained (see above)")
+    ap.add_argument("--batch", type=int, default=64, help="decode section: sequences")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="layers section: batches")
+    ap.add_argument("--heads", type=int, default=14, help="layers section: query heads (default: the 0.5B's)")
+    ap.add_argument("--groups", type=int, default=2, help="layers section: KV heads")
+    ap.add_argument("--dim", type=int, default=64, help="layers section: head dim")
+    ap.add_argument("--page-size", type=int, default=16, help="layers section")
+    ap.add_argument("--context", type=int, default=1024, help="layers section: tokens before the new one")
+    ap.add_argument("--layers", type=int, default=24, help="layers section: chained layers (own K/V pools)")
+    ap.add_argument("--loop", type=int, default=10, help="layers section: device-loop iterations per call")
+    ap.add_argument("--schedule", nargs="+", default=["default"],
+                    help="layers section: 'default' and/or BLOCKxSPLITS entries (block tokens x K-splits)")
     ap.add_argument("--pools", type=int, default=3, help="independent K/V pools cycled through (defeats L2)")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per trial")
@@ -270,8 +374,15 @@ def main(argv=None) -> int:
         log(f"HBM bandwidth: {bandwidth / 1e12:.3f} TB/s")
     started = time.perf_counter()
     rows = []
+    for text in args.schedule:
+        try:
+            parse_schedule(text)
+        except argparse.ArgumentTypeError as err:
+            ap.error(str(err))
     if args.section in ("all", "decode"):
         rows += decode_section(args, bandwidth)
+    if args.section == "layers":
+        rows += layers_section(args)
     for r in rows:
         r.update(device=device, date=time.strftime("%Y-%m-%d"),
                  hbm_TBps=None if bandwidth is None else round(bandwidth / 1e12, 3))

@@ -1,0 +1,31 @@
+"""scripts/bench_attention.py's chained-layer section, in its CPU dry run (interpret mode, tiny shapes)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_attention", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layers_section_times_each_batch_and_schedule(tmp_path):
+    out = tmp_path / "rows.json"
+    assert _script().main(["--section", "layers", "--dry-run", "--schedule", "default", "16x2",
+                           "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["schedule"]) for r in rows] == [(1, "default"), (1, "16x2"), (2, "default"), (2, "16x2")]
+    assert all(r["us_per_layer"] > 0 for r in rows)
+    assert [(r["block_tokens"], r["splits"]) for r in rows if r["schedule"] == "16x2"] == [(16, 2), (16, 2)]
+
+
+def test_a_malformed_schedule_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        _script().main(["--section", "layers", "--dry-run", "--schedule", "12"])
