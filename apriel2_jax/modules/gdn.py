@@ -8,7 +8,7 @@ from flax import nnx
 
 from ..config import GDNConfig
 from ..dispatch import kernel, op
-from ..ops.delta_rule import gdn_gate
+from ..ops.delta_rule import gdn_gate, split_packed_qkv
 from ..ops.norms import activation
 from ..ops.slots import flatten_rows
 from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
@@ -53,12 +53,7 @@ class GatedDeltaNet(nnx.Module):
 
     def _split(self, mixed: jax.Array):
         cfg = self.cfg
-        batch, length, _ = mixed.shape
-        key_size = cfg.key_heads * cfg.key_head_dim
-        q = mixed[..., :key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
-        k = mixed[..., key_size : 2 * key_size].reshape(batch, length, cfg.key_heads, cfg.key_head_dim)
-        v = mixed[..., 2 * key_size :].reshape(batch, length, cfg.value_heads, cfg.value_head_dim)
-        return q, k, v
+        return split_packed_qkv(mixed, cfg.key_heads, cfg.key_head_dim, cfg.value_heads)
 
     def _output(self, o: jax.Array, z: jax.Array) -> jax.Array:
         batch, length = o.shape[:2]

@@ -219,15 +219,17 @@ def delta_rule_decode_slots(
 
 
 def split_packed_qkv(mixed: jax.Array, key_heads: int, key_dim: int, value_heads: int):
-    """q, k [B, H_k, K] and v [B, H, V] from a GDN decode row's packed conv output [B, 2 H_k K + H V]."""
-    batch = mixed.shape[0]
+    """q, k [..., H_k, K] and v [..., H, V] from GDN's conv output [..., 2 H_k K + H V] (q heads, then k heads,
+    then v heads)."""
+    lead = mixed.shape[:-1]
     key_size = key_heads * key_dim
-    if mixed.ndim != 2 or (mixed.shape[1] - 2 * key_size) <= 0 or (mixed.shape[1] - 2 * key_size) % value_heads:
-        raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + {value_heads} * V], got "
+    value_size = mixed.shape[-1] - 2 * key_size
+    if mixed.ndim < 1 or value_size <= 0 or value_size % value_heads:
+        raise ValueError(f"packed q|k|v must be [..., 2 * {key_heads} * {key_dim} + {value_heads} * V], got "
                          f"{list(mixed.shape)}")
-    q = mixed[:, :key_size].reshape(batch, key_heads, key_dim)
-    k = mixed[:, key_size : 2 * key_size].reshape(batch, key_heads, key_dim)
-    v = mixed[:, 2 * key_size :].reshape(batch, value_heads, -1)
+    q = mixed[..., :key_size].reshape(*lead, key_heads, key_dim)
+    k = mixed[..., key_size : 2 * key_size].reshape(*lead, key_heads, key_dim)
+    v = mixed[..., 2 * key_size :].reshape(*lead, value_heads, value_size // value_heads)
     return q, k, v
 
 
@@ -245,6 +247,8 @@ def delta_rule_decode_slots_packed(
     """``delta_rule_decode_slots`` with q, k and v side by side in one buffer, as GDN's conv leaves them:
     mixed [B, 2 H_k K + H V] (q heads, then k heads, then v heads); the value heads H are g's and beta's.
     A kernel reading the buffer in place saves the step three slice copies per GDN layer."""
+    if mixed.ndim != 2:
+        raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + H * V], got {list(mixed.shape)}")
     q, k, v = split_packed_qkv(mixed, key_heads, key_dim, beta.shape[1])
     return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
 
