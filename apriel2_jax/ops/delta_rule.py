@@ -223,8 +223,8 @@ def split_packed_qkv(mixed: jax.Array, key_heads: int, key_dim: int, value_heads
     then v heads)."""
     lead = mixed.shape[:-1]
     key_size = key_heads * key_dim
-    value_size = mixed.shape[-1] - 2 * key_size
-    if mixed.ndim < 1 or value_size <= 0 or value_size % value_heads:
+    value_size = mixed.shape[-1] - 2 * key_size if mixed.ndim else 0
+    if value_size <= 0 or value_size % value_heads:
         raise ValueError(f"packed q|k|v must be [..., 2 * {key_heads} * {key_dim} + {value_heads} * V], got "
                          f"{list(mixed.shape)}")
     q = mixed[..., :key_size].reshape(*lead, key_heads, key_dim)
