@@ -106,7 +106,7 @@ def test_parity_across_two_processes():
     assert "tensor parallel 4, 2 processes" in out0
     rows = [line for line in out0.splitlines() if line.startswith("main ")]
     assert len(rows) == 2 and all(" ok " in row for row in rows), out0
-    assert out1 == ""
+    assert out1.strip() == "", out1  # whitespace alone: a library's stray newline (seen once in a full run)
 
 
 def test_generate_from_a_converted_checkpoint_across_two_processes(tmp_path):
@@ -125,7 +125,7 @@ def test_generate_from_a_converted_checkpoint_across_two_processes(tmp_path):
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
     (record,) = json.loads(out0)
     assert record["token_ids"] == [int(t) for t in case.greedy_ids["main"][0]]
-    assert out1 == ""
+    assert out1.strip() == "", out1  # whitespace alone: a library's stray newline (seen once in a full run)
 
 
 def test_processes_agree_on_the_smallest_cache_budget():
