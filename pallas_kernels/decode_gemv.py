@@ -165,13 +165,15 @@ def _store(o_ref, r, tile, value, *, n_dim, block_n, offset=0):
     pltriton.store(o_ref.at[r, target], value.astype(o_ref.dtype), mask=feats < n_dim)
 
 
-def _call(kernel, inputs, *, x, n_dim, block_n, name, num_warps, interpret):
-    """One program per ``block_n`` features of an [S, n_dim] output in x's dtype."""
+def _call(kernel, inputs, *, x, n_dim, block_n, name, num_warps, interpret, programs=None):
+    """One program per ``block_n`` features of an [S, n_dim] output in x's dtype (or ``programs`` of them, for
+    projections side by side in tiles of their own)."""
     rows = x.shape[0]
-    width = n_dim + (block_n if interpret and n_dim % block_n else 0)
+    ragged = programs is None and n_dim % block_n  # a ragged last tile (see ``_store``)
+    width = n_dim + (block_n if interpret and ragged else 0)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(n_dim, block_n),),
+        grid=(programs or pl.cdiv(n_dim, block_n),),
         out_shape=jax.ShapeDtypeStruct((rows, width), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -273,15 +275,15 @@ def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
 # ---------------------------------------------------------------------------------------- norm_projections
 
 
-def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, block_n):
+def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, blocks):
     *w_refs, o_ref = refs
     program = pl.program_id(0)
     start, offset = 0, 0
-    for w_ref, width in zip(w_refs, widths):
+    for w_ref, width, block_n in zip(w_refs, widths, blocks):
         tiles = width // block_n
 
         @pl.when((program >= start) & (program < start + tiles))
-        def _(w_ref=w_ref, tile=program - start, offset=offset):
+        def _(w_ref=w_ref, tile=program - start, offset=offset, width=width, block_n=block_n):
             accs = _gemv(x_ref, [(w_ref, pl.ds(tile * block_n, block_n))], rows=rows, k_dim=k_dim, chunk=chunk,
                          depth=depth, norm=(eps, nw_ref))
             for r in range(rows):
@@ -290,13 +292,11 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
         start, offset = start + tiles, offset + width
 
 
-def _projection_tile(widths) -> int:
-    """The largest tile <= 16 output features dividing every projection's width (one program never spans two
-    projections)."""
-    for block_n in (16, 8, 4, 2, 1):
-        if all(w % block_n == 0 for w in widths):
-            return block_n
-    raise AssertionError("unreachable")
+def _projection_tiles(widths) -> tuple[int, ...]:
+    """Each projection's tile: the largest of 16, 8, ... output features dividing its width. One program never
+    spans two projections, and a narrow one (GDN's b|a gates: 2 x 14 features) takes small tiles of its own
+    instead of shrinking the wide ones' (its q|k|v|z: 2048)."""
+    return tuple(next(b for b in (16, 8, 4, 2, 1) if w % b == 0) for w in widths)
 
 
 def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:
@@ -307,19 +307,20 @@ def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:
 def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None = None, depth: int = 8,
                             block_n: int | None = None, num_warps: int = 4, interpret: bool = False):
     """``concat([rmsnorm(x) @ w.T for w in weights], -1)`` ([S, D] -> [S, sum N_i]) in one kernel, S <= MAX_ROWS.
-    ``block_n`` must divide every width (default: the largest of 16, 8, ... that does)."""
+    ``block_n``, where given, is every projection's tile and must divide every width (default: each projection's
+    own, ``_projection_tiles``)."""
     reason = norm_projections_unsupported(x, norm_weight, eps, weights)
     widths = tuple(w.shape[0] for w in weights)
-    block_n = block_n or _projection_tile(widths)
-    if reason is None and any(w % block_n for w in widths):
+    blocks = _projection_tiles(widths) if block_n is None else (block_n,) * len(widths)
+    if reason is None and any(w % b for w, b in zip(widths, blocks)):
         reason = f"block_n={block_n} does not divide the projection widths {widths}"
     if reason is not None:
         raise ValueError(f"norm_projections: {reason}")
     kernel = functools.partial(_norm_projections_kernel, eps=eps, rows=x.shape[0], k_dim=x.shape[1],
-                               chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, block_n=block_n)
-    n_dim = sum(widths)
-    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=n_dim, block_n=block_n,
-                 name="gemv_norm_projections", num_warps=num_warps, interpret=interpret)
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, blocks=blocks)
+    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=sum(widths), block_n=max(blocks),
+                 programs=sum(w // b for w, b in zip(widths, blocks)), name="gemv_norm_projections",
+                 num_warps=num_warps, interpret=interpret)
 
 
 def norm_projections(x, norm_weight, eps, weights):

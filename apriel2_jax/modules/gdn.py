@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,7 +13,7 @@ from ..dispatch import kernel, op
 from ..ops.delta_rule import gdn_gate, split_packed_qkv
 from ..ops.norms import activation
 from ..ops.slots import flatten_rows
-from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, RMSNorm, conv_forward, conv_paged, residual_projection
 
 
 class GatedDeltaNet(nnx.Module):
@@ -37,19 +39,25 @@ class GatedDeltaNet(nnx.Module):
 
     def _projections(self, x: jax.Array):
         """Input projections: (pre-conv q|k|v, z [B,T,H_v,d_v], gate inputs b and a [B,T,H_v])."""
+        return self._unpack(self.in_proj_qkvz(x), self.in_proj_ba(x))
+
+    def _unpack(self, qkvz: jax.Array, ba: jax.Array):
+        """The two input projections' outputs [B, T, *] as (pre-conv q|k|v, z [B,T,H_v,d_v], b, a [B,T,H_v])."""
         cfg = self.cfg
-        batch, length, _ = x.shape
-        qkvz = self.in_proj_qkvz(x)
+        batch, length, _ = qkvz.shape
         qkv, z = qkvz[..., : cfg.conv_channels], qkvz[..., cfg.conv_channels :]
-        ba = self.in_proj_ba(x)
         b, a = ba[..., : cfg.value_heads], ba[..., cfg.value_heads :]
         return qkv, z.reshape(batch, length, cfg.value_heads, cfg.value_head_dim), b, a
+
+    def _gates(self, b: jax.Array, a: jax.Array):
+        """(beta, g) from the gate inputs."""
+        beta = activation("sigmoid", b)  # model dtype, as the reference
+        return beta, gdn_gate(a, self.A_log[...], self.dt_bias[...])
 
     def _project(self, x: jax.Array):
         """Input projections and gates: (pre-conv q|k|v, z [B,T,H_v,d_v], beta, g)."""
         qkv, z, b, a = self._projections(x)
-        beta = activation("sigmoid", b)  # model dtype, as the reference
-        return qkv, z, beta, gdn_gate(a, self.A_log[...], self.dt_bias[...])
+        return qkv, z, *self._gates(b, a)
 
     def _split(self, mixed: jax.Array):
         cfg = self.cfg
@@ -83,27 +91,53 @@ class GatedDeltaNet(nnx.Module):
         return self._output(o, z), {"conv": conv_state, "ssm": ssm}
 
     def paged_decode(self, x: jax.Array, batch, pool: dict):
-        """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
-        (Pallas kernels on GPU)."""
+        """Engine decode, one token per row (x [S, 1, D], normalised): conv and recurrent states are updated in
+        place in the slot pool (Pallas kernels on GPU)."""
+        y, pool = self._decode(self.in_proj_qkvz(x), self.in_proj_ba(x), batch, pool)
+        return self.out_proj(y)[:, None], pool
+
+    def fused_decode(self, norm) -> Callable | None:
+        """The fused input norm + input projections (``ops.decode_fused.norm_projections``: q|k|v|z and b|a side
+        by side), or None where the chain must run unfused (no kernel on this backend, a LayerNorm,
+        biases or a tensor-parallel sum in a projection)."""
+        fused = kernel("norm_projections")
+        if fused is None or not isinstance(norm, RMSNorm):
+            return None
+        if any(p.bias is not None or p.reduce_axis is not None for p in (self.in_proj_qkvz, self.in_proj_ba)):
+            return None
+        return fused
+
+    def paged_decode_residual(self, fused, x: jax.Array, norm: RMSNorm, batch, pool: dict):
+        """Engine decode from the residual stream ``x`` [S, 1, D]: the input norm and both input projections in
+        one kernel, the conv and state update, then the output projection added to ``x``. Returns the new
+        residual stream and the pool."""
+        qkvz = self.in_proj_qkvz.weight
+        projected = fused(x[:, 0], norm.weight[...], norm.eps, (qkvz[...], self.in_proj_ba.weight[...]))[:, None]
+        width = qkvz.shape[0]
+        y, pool = self._decode(projected[..., :width], projected[..., width:], batch, pool)
+        return residual_projection(self.out_proj, y, x), pool
+
+    def _decode(self, qkvz: jax.Array, ba: jax.Array, batch, pool: dict):
+        """One token per row from the input projections' outputs [S, 1, *]: the gated norm's output [S, H_v d_v]
+        (the output projection's input) and the updated pool."""
+        cfg = self.cfg
+        qkv, z, b, a = self._unpack(qkvz, ba)
         fused = kernel("gdn_decode_fused_slots")
         if fused is not None:  # conv, gates and the state update in one kernel
-            return self._paged_decode_fused(fused, x, batch, pool)
-        qkv, z, beta, g = self._project(x)
-        mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
-        # q|k|v stay in the conv's output buffer: the update kernel reads them there, no slice copies
-        o, ssm = op("delta_rule_decode_slots_packed")(
-            mixed[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh,
-            key_heads=self.cfg.key_heads, key_dim=self.cfg.key_head_dim,
-        )
-        return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
-
-    def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
-        qkv, z, b, a = self._projections(x)
-        o, conv, ssm = fused(
-            qkv[:, 0], self.convolution.taps, pool["conv"], a[:, 0], b[:, 0], self.A_log[...], self.dt_bias[...],
-            pool["ssm"], batch.slots, batch.fresh, key_heads=self.cfg.key_heads,
-        )
-        return self._output(o[:, None], z), {"conv": conv, "ssm": ssm}
+            o, conv, ssm = fused(
+                qkv[:, 0], self.convolution.taps, pool["conv"], a[:, 0], b[:, 0], self.A_log[...],
+                self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh, key_heads=cfg.key_heads,
+            )
+        else:
+            beta, g = self._gates(b, a)
+            mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
+            # q|k|v stay in the conv's output buffer: the update kernel reads them there, no slice copies
+            o, ssm = op("delta_rule_decode_slots_packed")(
+                mixed[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh,
+                key_heads=cfg.key_heads, key_dim=cfg.key_head_dim,
+            )
+        y = self.norm(o[:, None], z)
+        return y.reshape(y.shape[0], cfg.value_heads * cfg.value_head_dim), {"conv": conv, "ssm": ssm}
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T]: the rows become one packed token buffer, and the varlen ops

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..config import KDAConfig
 from ..dispatch import kernel, op
 from ..ops.delta_rule import kda_gate
 from ..ops.slots import flatten_rows
-from .layers import DepthwiseConv, GatedRMSNorm, Linear, conv_forward, conv_paged
+from .layers import DepthwiseConv, GatedRMSNorm, Linear, RMSNorm, conv_forward, conv_paged, residual_projection
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -46,10 +49,14 @@ class KimiDeltaAttention(nnx.Module):
 
     def _gate_inputs(self, x: jax.Array):
         """(decay gate input g_raw [B,T,H,D], beta [B,T,H] fp32, output gate [B,T,H,D])."""
+        return self._gate_inputs_from(self.f_a_proj(x), self.g_a_proj(x), self.beta_proj(x))
+
+    def _gate_inputs_from(self, f_a: jax.Array, g_a: jax.Array, beta: jax.Array):
+        """``_gate_inputs`` from the low-rank gates' first projections and the beta projection's output."""
         cfg = self.cfg
-        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
-        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-        return self.f_b_proj(self.f_a_proj(x)).reshape(shape), beta, self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+        shape = f_a.shape[:2] + (cfg.heads, cfg.head_dim)
+        beta = jax.nn.sigmoid(beta.astype(jnp.float32))
+        return self.f_b_proj(f_a).reshape(shape), beta, self.g_b_proj(g_a).reshape(shape)
 
     def _gates(self, x: jax.Array):
         """(g [B,T,H,D] fp32 log decay, beta [B,T,H] fp32, output gate [B,T,H,D])."""
@@ -90,38 +97,70 @@ class KimiDeltaAttention(nnx.Module):
         return self._output(o, gate), dict(convs, ssm=ssm)
 
     def _convs_paged(self, x: jax.Array, batch, pool: dict):
+        return self._convs_paged_from((self.q_proj(x), self.k_proj(x), self.v_proj(x)), batch, pool)
+
+    def _convs_paged_from(self, projected, batch, pool: dict):
+        """The q, k and v convs over their projections' outputs [S, T, size] (states in the slot pool)."""
         cfg = self.cfg
-        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
+        shape = projected[0].shape[:2] + (cfg.heads, cfg.head_dim)
         out, convs = [], {}
-        for name, proj, conv in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
-                                 ("v", self.v_proj, self.v_conv)):
-            y, convs[f"conv_{name}"] = conv_paged(conv, proj(x), pool[f"conv_{name}"], batch, op)
+        for name, y, conv in zip("qkv", projected, (self.q_conv, self.k_conv, self.v_conv)):
+            y, convs[f"conv_{name}"] = conv_paged(conv, y, pool[f"conv_{name}"], batch, op)
             out.append(y.reshape(shape))
         return (*out, convs)
 
+    def _input_projections(self) -> tuple[Linear, ...]:
+        """Every projection of the mixer's input, in the order ``_decode`` takes their outputs."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.beta_proj)
+
     def paged_decode(self, x: jax.Array, batch, pool: dict):
-        """Engine decode, one token per row: conv and recurrent states are updated in place in the slot pool
-        (Pallas kernels on GPU)."""
+        """Engine decode, one token per row (x [S, 1, D], normalised): conv and recurrent states are updated in
+        place in the slot pool (Pallas kernels on GPU)."""
+        y, pool = self._decode([proj(x) for proj in self._input_projections()], batch, pool)
+        return self.o_proj(y)[:, None], pool
+
+    def fused_decode(self, norm) -> Callable | None:
+        """The fused input norm + every input projection side by side (``ops.decode_fused.norm_projections``), or
+        None where the chain must run unfused (no kernel on this backend, a LayerNorm,
+        biases or a tensor-parallel sum in a projection)."""
+        fused = kernel("norm_projections")
+        if fused is None or not isinstance(norm, RMSNorm):
+            return None
+        if any(p.bias is not None or p.reduce_axis is not None for p in self._input_projections()):
+            return None
+        return fused
+
+    def paged_decode_residual(self, fused, x: jax.Array, norm: RMSNorm, batch, pool: dict):
+        """Engine decode from the residual stream ``x`` [S, 1, D]: the input norm and the six input projections in
+        one kernel, the convs, gates and state update, then the output projection added to ``x``. Returns the new
+        residual stream and the pool."""
+        weights = tuple(proj.weight[...] for proj in self._input_projections())
+        projected = fused(x[:, 0], norm.weight[...], norm.eps, weights)[:, None]
+        bounds = np.cumsum([0] + [w.shape[0] for w in weights])
+        y, pool = self._decode([projected[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], batch, pool)
+        return residual_projection(self.o_proj, y, x), pool
+
+    def _decode(self, projected, batch, pool: dict):
+        """One token per row from the input projections' outputs [S, 1, *] (``_input_projections``' order): the
+        gated norm's output [S, size] (the output projection's input) and the updated pool."""
+        q_in, k_in, v_in, f_a, g_a, beta = projected
+        g_raw, beta, gate = self._gate_inputs_from(f_a, g_a, beta)
         fused = kernel("kda_decode_fused_slots")
         if fused is not None:  # convs, gate and the state update in one kernel
-            return self._paged_decode_fused(fused, x, batch, pool)
-        q, k, v, convs = self._convs_paged(x, batch, pool)
-        g, beta, gate = self._gates(x)
-        o, ssm = op("delta_rule_decode_slots")(
-            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
-        )
-        return self._output(o[:, None], gate), dict(convs, ssm=ssm)
-
-    def _paged_decode_fused(self, fused, x: jax.Array, batch, pool: dict):
-        g_raw, beta, gate = self._gate_inputs(x)
-        o, conv_pools, ssm = fused(
-            self.q_proj(x)[:, 0], self.k_proj(x)[:, 0], self.v_proj(x)[:, 0],
-            (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
-            (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw[:, 0], beta[:, 0], self.A_log[...],
-            self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
-        )
-        convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
-        return self._output(o[:, None], gate), dict(convs, ssm=ssm)
+            o, conv_pools, ssm = fused(
+                q_in[:, 0], k_in[:, 0], v_in[:, 0], (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
+                (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw[:, 0], beta[:, 0], self.A_log[...],
+                self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
+            )
+            convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
+        else:
+            q, k, v, convs = self._convs_paged_from((q_in, k_in, v_in), batch, pool)
+            g = kda_gate(g_raw, self.A_log[...], self.dt_bias[...])
+            o, ssm = op("delta_rule_decode_slots")(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+            )
+        y = self.norm(o[:, None], gate)
+        return y.reshape(y.shape[0], self.cfg.projection_size), dict(convs, ssm=ssm)
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T], packed into one token buffer for the varlen slot-pool ops."""

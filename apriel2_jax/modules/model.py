@@ -43,9 +43,9 @@ class Block(nnx.Module):
     def paged(self, x: jax.Array, batch: PagedBatch, mixer_name: str | None, cache: dict):
         """Engine path: ``cache`` is this layer's page pool (attention) or state-slot pool (recurrent)."""
         mixer = active(self.mixer, mixer_name)
-        if x.shape[1] == 1 and isinstance(mixer, Attention):
+        if x.shape[1] == 1 and hasattr(mixer, "fused_decode"):
             fused = mixer.fused_decode(self.input_layernorm)
-            if fused is not None:  # the decode chain in fused kernels (ops.decode_fused)
+            if fused is not None:  # the norm and projections in fused kernels (ops.decode_fused)
                 x, cache = mixer.paged_decode_residual(fused, x, self.input_layernorm, batch, cache)
                 return self._mlp_residual(x), cache
         h = normalized_once(self.input_layernorm(x))

@@ -15,6 +15,8 @@ from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.step import Buckets
 from apriel2_jax.modules.attention import Attention
+from apriel2_jax.modules.gdn import GatedDeltaNet
+from apriel2_jax.modules.kda import KimiDeltaAttention
 from apriel2_jax.modules.layers import RMSNorm
 from apriel2_jax.modules.mixers import active
 from apriel2_jax.modules.mlp import MLP
@@ -26,13 +28,23 @@ from tests.helpers import golden_model
 FUSED = ("norm_projections", "norm_gated_mlp", "matmul_add")
 
 
-def _chains_as_kernels(monkeypatch, names) -> dict[str, int]:
+class Calls(dict):
+    """Traced calls per chain, and the number of projections of each ``norm_projections`` call."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.projections: list[int] = []
+
+
+def _chains_as_kernels(monkeypatch, names) -> Calls:
     """Register the jnp chains ``names`` as CPU kernels for the test; count the calls that trace them."""
-    calls = dict.fromkeys(names, 0)
+    calls = Calls.fromkeys(names, 0)
 
     def counted(name):
         def fn(*args):
             calls[name] += 1
+            if name == "norm_projections":
+                calls.projections.append(len(args[3]))
             return getattr(decode_fused, name)(*args)
         return fn
 
@@ -67,14 +79,18 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
     # Every block's MLP took the fused chain (gated MLPs in every golden case); attention layers took theirs.
     assert fused_chains_as_kernels["norm_gated_mlp"] > 0
     assert fused_chains_as_kernels["matmul_add"] >= fused_chains_as_kernels["norm_gated_mlp"]
-    # Attention layers without biases took the fused Q/K/V chain; those with biases keep the unfused one.
-    plain_attention = any(
-        isinstance(mixer, Attention) and mixer.q_proj.bias is None
+    # Attention layers without biases took the fused norm + Q/K/V chain (those with biases keep the unfused one),
+    # GDN and KDA layers their fused norm + input projections; Mamba layers never.
+    # The chain's projection count names the mixer: Q/K/V 3, GDN's q|k|v|z and b|a 2, KDA's six.
+    expected = {
+        {Attention: 3, GatedDeltaNet: 2, KimiDeltaAttention: 6}[type(mixer)]
         for name in case.placements
         for block, mixer_name in zip(model.model.decoder.blocks, resolve_placement(model.config, name, case.placements))
         for mixer in [active(block.mixer, mixer_name)]
-    )
-    assert (fused_chains_as_kernels["norm_projections"] > 0) == plain_attention
+        if isinstance(mixer, (GatedDeltaNet, KimiDeltaAttention))
+        or (isinstance(mixer, Attention) and mixer.q_proj.bias is None)
+    }
+    assert set(fused_chains_as_kernels.projections) == expected
 
 
 @pytest.mark.parametrize("case_name", ["hybrid_all_mixers", "supernet_swa"])  # the cases with head_dim >= 16

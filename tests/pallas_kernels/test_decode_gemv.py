@@ -43,10 +43,12 @@ def test_kernels_match_the_chains(dtype):
     assert out.shape == (rows, features) and out.dtype == dtype
     assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
 
-    # Q/K/V-like widths: 48 + 8 + 8 features in tiles of 8 (the largest dividing all three).
-    weights = (f(48, width), f(8, width), f(8, width))
+    # Q/K/V-like widths (48 + 8 + 8) and a narrow gate projection (6, as GDN's b|a) beside them: each projection
+    # in tiles of its own (16, 8, 8, 2).
+    weights = (f(48, width), f(8, width), f(8, width), f(6, width))
+    assert kernels._projection_tiles(tuple(w.shape[0] for w in weights)) == (16, 8, 8, 2)
     out = kernels.norm_projections_kernel(x, norm, 1e-5, weights, **config)
-    assert out.shape == (rows, 64) and out.dtype == dtype
+    assert out.shape == (rows, 70) and out.dtype == dtype
     assert _rel(out, reference.norm_projections(x, norm, 1e-5, weights)) <= TOLERANCE[dtype]
 
 
@@ -90,6 +92,9 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, width, heads, groups, 
             (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((heads * head_dim, width), bf),
                                                                S((groups * head_dim, width), bf),
                                                                S((groups * head_dim, width), bf)))),
+            # GDN's input projections: q|k|v|z and the b|a gates (2 x value heads wide)
+            (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((2 * (groups + heads) * head_dim, width), bf),
+                                                               S((2 * heads, width), bf)))),
         ):
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text.lower()
