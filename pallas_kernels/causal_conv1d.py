@@ -109,7 +109,7 @@ def _varlen_kernel(
 
 
 def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *, taps, bc, silu,
-                   barrier):
+                   barrier, x_offset):
     del pool_in_ref
     row, cb = pl.program_id(0), pl.program_id(1)
     chans = pl.ds(cb * bc, bc)
@@ -120,7 +120,7 @@ def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref
     for i in range(taps - 1):
         s = pool_ref[slot, i, chans].astype(xdt)
         window.append(jnp.where(fresh, jnp.zeros_like(s), s))
-    window.append(x_ref[row, chans])
+    window.append(x_ref[row, pl.ds(x_offset + cb * bc, bc)])
     acc = b_ref[chans].astype(F32)
     for j in range(taps):
         acc = acc + window[j].astype(F32) * w_ref[j, chans].astype(F32)
@@ -184,23 +184,27 @@ def causal_conv1d_varlen(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("activation", "block_c", "num_warps", "num_stages", "interpret"),
+    jax.jit, static_argnames=("activation", "x_offset", "block_c", "num_warps", "num_stages", "interpret"),
     donate_argnames=("conv_pool",),
 )
 def causal_conv1d_decode(
-    x, weight, bias, conv_pool, slots, fresh, activation="silu", *, block_c=256, num_warps=2, num_stages=1,
-    interpret=False,
+    x, weight, bias, conv_pool, slots, fresh, activation="silu", *, x_offset=0, block_c=256, num_warps=2,
+    num_stages=1, interpret=False,
 ):
-    """The kernel with the signature of ``ops.conv.causal_conv1d_decode_slots``: x [S, C], one token per row."""
-    rows, channels = x.shape
+    """The kernel with the signature of ``ops.conv.causal_conv1d_decode_slots``: x [S, C] (or wider, the input at
+    columns [x_offset, x_offset + C), read in place), one token per row."""
+    rows, channels = x.shape[0], weight.shape[0]
+    if x.ndim != 2 or not 0 <= x_offset <= x.shape[1] - channels:
+        raise ValueError(f"conv input must be [S, >= {x_offset} + {channels}], got {list(x.shape)}")
     block_c = min(block_c, channels)
-    _check(x, weight, conv_pool, activation, block_c)
+    _check(jax.ShapeDtypeStruct((rows, channels), x.dtype), weight, conv_pool, activation, block_c)
     kernel = functools.partial(_decode_kernel, taps=weight.shape[-1], bc=block_c, silu=activation == "silu",
-                               barrier=not interpret)
+                               barrier=not interpret, x_offset=x_offset)
     return pl.pallas_call(
         kernel,
         grid=(rows, channels // block_c),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((rows, channels), x.dtype),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
         input_output_aliases={5: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -241,11 +245,13 @@ def varlen_slots(x, weight, bias, conv_pool, starts, lengths, slots, fresh, *, m
                                 activation=activation, block_c=_block_c(x.shape[-1], 256), block_t=block_t)
 
 
-def decode_slots(x, weight, bias, conv_pool, slots, fresh, activation="silu"):
+def decode_slots(x, weight, bias, conv_pool, slots, fresh, activation="silu", *, x_offset=0):
     """Dispatch entry for "causal_conv1d_decode_slots"."""
     from apriel2_jax.ops.conv import causal_conv1d_decode_slots
 
-    if not supported(x, weight, conv_pool, activation):
-        return causal_conv1d_decode_slots(x, weight, bias, conv_pool, slots, fresh, activation)
-    return causal_conv1d_decode(x, weight, bias, conv_pool, slots, fresh, activation,
-                                block_c=_block_c(x.shape[-1], 256))
+    channels = weight.shape[0]
+    if x.ndim != 2 or not 0 <= x_offset <= x.shape[1] - channels or x_offset % 8 \
+            or not supported(jax.ShapeDtypeStruct((x.shape[0], channels), x.dtype), weight, conv_pool, activation):
+        return causal_conv1d_decode_slots(x, weight, bias, conv_pool, slots, fresh, activation, x_offset=x_offset)
+    return causal_conv1d_decode(x, weight, bias, conv_pool, slots, fresh, activation, x_offset=x_offset,
+                                block_c=_block_c(channels, 256))

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from apriel2_jax.ops.norms import softplus
+
 F32 = jnp.float32
 
 
@@ -35,9 +37,10 @@ def supported(q: jax.Array, v: jax.Array, g: jax.Array) -> bool:
     return _is_power_of_two(key_dim) and _is_power_of_two(value_dim) and g.shape[-1] in (1, key_dim)
 
 
-def update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q, k, v, decay, beta, scale):
-    """One head's [K, BV] slab of the state, one token: q/k L2 norm (q scaled), decay, delta write, read.
-    q, k: [K] raw fp32; v: [BV]; decay: broadcastable to [K, BV]; beta: scalar. Shared with the fused kernel."""
+def step_slab(state_ref, slot, head, cols, fresh, q, k, v, decay, beta, scale):
+    """One head's [K, BV] slab of the state, one token: q/k L2 norm (q scaled), decay, delta write, read. Stores
+    the slab and returns the output slab [BV] in fp32. q, k: [K] raw fp32; v: [BV]; decay: broadcastable to
+    [K, BV]; beta: scalar."""
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
     s = state_ref[slot, head, :, cols]
@@ -45,7 +48,13 @@ def update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q, k, v, decay, 
     u = beta * (v - jnp.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * u[None, :]
     state_ref[slot, head, :, cols] = s
-    o_ref[row, head, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+    return jnp.sum(s * q[:, None], axis=0)
+
+
+def update_slab(state_ref, o_ref, slot, row, head, cols, fresh, q, k, v, decay, beta, scale):
+    """``step_slab`` storing the output slab in ``o_ref``. Shared with the fused kernel."""
+    o_ref[row, head, cols] = step_slab(state_ref, slot, head, cols, fresh, q, k, v, decay, beta,
+                                       scale).astype(o_ref.dtype)
 
 
 def launch_grid(batch: int, groups: int, slabs: int, slab_fastest: bool) -> tuple[int, int, int]:
@@ -204,3 +213,140 @@ def decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, *, key_heads, 
                                               key_dim=key_dim)
     return delta_rule_decode_packed(mixed, g, beta, state_pool, slots, fresh, key_heads=key_heads, key_dim=key_dim,
                                     **DISPATCH_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The update with its gates and output norm (GDN and KDA decode from their convs' outputs to the output projection)
+
+
+def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value_dim, heads, offsets, eps,
+                  norm_act):
+    """One program per (head, row), the head's whole [K, V] state. GDN: refs = (q|k|v buffer, projections buffer
+    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (q, k, v, g_raw, gate [B, H D],
+    projections buffer (beta), A_log, dt_bias, norm weight, pool in, y, pool). ``offsets`` are the static columns
+    of the inputs read in place."""
+    head, row = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[row]
+    fresh = fresh_ref[row] != 0
+    heads_v = pl.ds(head * value_dim, value_dim)
+    if mixer == "gdn":
+        mixed_ref, proj_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
+        key_head, key_size = head // rep, heads // rep * key_dim
+        q = mixed_ref[row, pl.ds(key_head * key_dim, key_dim)]
+        k = mixed_ref[row, pl.ds(key_size + key_head * key_dim, key_dim)]
+        v = mixed_ref[row, pl.ds(2 * key_size + head * value_dim, value_dim)]
+        gate = proj_ref[row, pl.ds(offsets["z"] + head * value_dim, value_dim)]
+        b = proj_ref[row, offsets["ba"] + head]
+        a = proj_ref[row, offsets["ba"] + heads + head]
+        beta = jax.nn.sigmoid(b.astype(F32)).astype(b.dtype).astype(F32)  # the model dtype's sigmoid, as the module
+        g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(a.astype(F32) + dtb_ref[head].astype(F32))
+        decay = jnp.exp(g)
+    else:
+        q_ref, k_ref, v_ref, graw_ref, gate_ref, proj_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
+        q, k, v = q_ref[row, heads_v], k_ref[row, heads_v], v_ref[row, heads_v]
+        gate = gate_ref[row, heads_v]
+        beta = jax.nn.sigmoid(proj_ref[row, offsets["beta"] + head].astype(F32))
+        g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(graw_ref[row, heads_v].astype(F32)
+                                                             + dtb_ref[heads_v].astype(F32))
+        decay = jnp.exp(g)[:, None]
+    o = step_slab(state_ref, slot, head, pl.ds(0, value_dim), fresh, q.astype(F32), k.astype(F32), v.astype(F32),
+                  decay, beta, scale)
+    # ``gated_rms_norm`` of the output rounded to the dtype, as the module rounds it between the two
+    o = o.astype(y_ref.dtype).astype(F32)
+    normed = o * jax.lax.rsqrt(jnp.sum(o * o) / value_dim + eps)
+    gate = gate.astype(F32)
+    act = gate * jax.nn.sigmoid(gate) if norm_act == "silu" else jax.nn.sigmoid(gate)
+    y_ref[row, head, :] = (nw_ref[...].astype(F32) * normed * act).astype(y_ref.dtype)
+
+
+def _gated_call(mixer, inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, rep, key_dim, value_dim,
+                offsets, eps, norm_act, dtype, num_warps, interpret):
+    heads = A_log.shape[0]
+    batch = slots.shape[0]
+    kernel = functools.partial(_gated_kernel, mixer=mixer, rep=rep, scale=key_dim**-0.5, key_dim=key_dim,
+                               value_dim=value_dim, heads=heads, offsets=offsets, eps=eps, norm_act=norm_act)
+    args = (slots.astype(jnp.int32), fresh.astype(jnp.int32), *inputs, A_log, dt_bias, norm_weight, state_pool)
+    return pl.pallas_call(
+        kernel,
+        name=f"{mixer}_decode_gated",
+        grid=(heads, batch),  # a row's heads side by side, as ``launch_grid``'s slabs
+        out_shape=(jax.ShapeDtypeStruct((batch, heads, value_dim), dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, F32)),
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(*args)
+
+
+GATED_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def gated_unsupported(key_dim: int, value_dim: int, norm_act: str) -> str | None:
+    """Why the gated kernel cannot take a geometry (None where it can): Triton's power-of-two loads, the whole head
+    in one program, the norm activations it has."""
+    if not (_is_power_of_two(key_dim) and _is_power_of_two(value_dim)):
+        return f"key and value head sizes must be powers of two (got {key_dim}, {value_dim})"
+    if value_dim > 128:
+        return f"one program holds a head's [K, V] state: V <= 128 (got {value_dim})"
+    if norm_act not in GATED_ACTIVATIONS:
+        return f"output norm activation {norm_act!r} is not one of {GATED_ACTIVATIONS}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "z_offset", "ba_offset", "eps", "num_warps",
+                                              "interpret"), donate_argnames=("state_pool",))
+def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads, key_dim,
+                     z_offset, ba_offset, eps, num_warps=4, interpret=False):
+    """The kernel of ``apriel2_jax.ops.delta_rule.gdn_decode_gated_slots`` (same signature)."""
+    heads = A_log.shape[0]
+    value_dim = (mixed.shape[-1] - 2 * key_heads * key_dim) // heads
+    reason = gated_unsupported(key_dim, value_dim, "silu")
+    if reason is not None:
+        raise ValueError(f"gdn_decode_gated: {reason}")
+    return _gated_call("gdn", (mixed, proj), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+                       rep=heads // key_heads, key_dim=key_dim, value_dim=value_dim,
+                       offsets={"z": z_offset, "ba": ba_offset}, eps=eps, norm_act="silu", dtype=mixed.dtype,
+                       num_warps=num_warps, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("beta_offset", "eps", "norm_activation", "num_warps", "interpret"),
+                   donate_argnames=("state_pool",))
+def kda_decode_gated(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
+                     beta_offset, eps, norm_activation, num_warps=4, interpret=False):
+    """The kernel of ``apriel2_jax.ops.delta_rule.kda_decode_gated_slots`` (same signature)."""
+    heads = A_log.shape[0]
+    dim = q.shape[-1] // heads
+    reason = gated_unsupported(dim, dim, norm_activation)
+    if reason is not None:
+        raise ValueError(f"kda_decode_gated: {reason}")
+    return _gated_call("kda", (q, k, v, g_raw, gate, proj), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+                       rep=1, key_dim=dim, value_dim=dim, offsets={"beta": beta_offset}, eps=eps,
+                       norm_act=norm_activation, dtype=v.dtype, num_warps=num_warps, interpret=interpret)
+
+
+def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads,
+                           key_dim, z_offset, ba_offset, eps):
+    """Dispatch entry for "gdn_decode_gated_slots": the kernel where it takes the geometry, else the jnp op."""
+    from apriel2_jax.ops import delta_rule as ops
+
+    heads = A_log.shape[0]
+    value_dim = (mixed.shape[-1] - 2 * key_heads * key_dim) // heads
+    kwargs = dict(key_heads=key_heads, key_dim=key_dim, z_offset=z_offset, ba_offset=ba_offset, eps=float(eps))
+    if gated_unsupported(key_dim, value_dim, "silu") is not None:
+        return ops.gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+                                          **kwargs)
+    return gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, **kwargs)
+
+
+def kda_decode_gated_slots(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
+                           beta_offset, eps, norm_activation):
+    """Dispatch entry for "kda_decode_gated_slots"."""
+    from apriel2_jax.ops import delta_rule as ops
+
+    dim = q.shape[-1] // A_log.shape[0]
+    kwargs = dict(beta_offset=beta_offset, eps=float(eps), norm_activation=norm_activation)
+    if gated_unsupported(dim, dim, norm_activation) is not None:
+        return ops.kda_decode_gated_slots(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool,
+                                          slots, fresh, **kwargs)
+    return kda_decode_gated(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+                            **kwargs)

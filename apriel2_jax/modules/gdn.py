@@ -93,7 +93,7 @@ class GatedDeltaNet(nnx.Module):
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row (x [S, 1, D], normalised): conv and recurrent states are updated in
         place in the slot pool (Pallas kernels on GPU)."""
-        y, pool = self._decode(self.in_proj_qkvz(x), self.in_proj_ba(x), batch, pool)
+        y, pool = self._decode(jnp.concatenate([self.in_proj_qkvz(x[:, 0]), self.in_proj_ba(x[:, 0])], -1), batch, pool)
         return self.out_proj(y)[:, None], pool
 
     def fused_decode(self, norm) -> Callable | None:
@@ -111,33 +111,37 @@ class GatedDeltaNet(nnx.Module):
         """Engine decode from the residual stream ``x`` [S, 1, D]: the input norm and both input projections in
         one kernel, the conv and state update, then the output projection added to ``x``. Returns the new
         residual stream and the pool."""
-        qkvz = self.in_proj_qkvz.weight
-        projected = fused(x[:, 0], norm.weight[...], norm.eps, (qkvz[...], self.in_proj_ba.weight[...]))[:, None]
-        width = qkvz.shape[0]
-        y, pool = self._decode(projected[..., :width], projected[..., width:], batch, pool)
+        weights = (self.in_proj_qkvz.weight[...], self.in_proj_ba.weight[...])
+        y, pool = self._decode(fused(x[:, 0], norm.weight[...], norm.eps, weights), batch, pool)
         return residual_projection(self.out_proj, y, x), pool
 
-    def _decode(self, qkvz: jax.Array, ba: jax.Array, batch, pool: dict):
-        """One token per row from the input projections' outputs [S, 1, *]: the gated norm's output [S, H_v d_v]
-        (the output projection's input) and the updated pool."""
+    def _decode(self, proj: jax.Array, batch, pool: dict):
+        """One token per row from the input projections' outputs side by side, proj [S, q|k|v|z|b|a]: the gated
+        norm's output [S, H_v d_v] (the output projection's input) and the updated pool. The conv and the update
+        read their inputs in place in ``proj`` (slices handed to a kernel would be copies)."""
         cfg = self.cfg
-        qkv, z, b, a = self._unpack(qkvz, ba)
+        rows = proj.shape[0]
+        value_size = cfg.value_heads * cfg.value_head_dim
+        ba_offset = cfg.conv_channels + value_size
         fused = kernel("gdn_decode_fused_slots")
         if fused is not None:  # conv, gates and the state update in one kernel
+            qkv, z, b, a = self._unpack(proj[:, :ba_offset][:, None], proj[:, ba_offset:][:, None])
             o, conv, ssm = fused(
                 qkv[:, 0], self.convolution.taps, pool["conv"], a[:, 0], b[:, 0], self.A_log[...],
                 self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh, key_heads=cfg.key_heads,
             )
+            y = self.norm(o, z[:, 0])
         else:
-            beta, g = self._gates(b, a)
-            mixed, conv = conv_paged(self.convolution, qkv, pool["conv"], batch, op)
-            # q|k|v stay in the conv's output buffer: the update kernel reads them there, no slice copies
-            o, ssm = op("delta_rule_decode_slots_packed")(
-                mixed[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh,
-                key_heads=cfg.key_heads, key_dim=cfg.key_head_dim,
+            mixed, conv = op("causal_conv1d_decode_slots")(
+                proj, self.convolution.taps, self.convolution.bias_or_none, pool["conv"], batch.slots, batch.fresh,
+                x_offset=0,
             )
-        y = self.norm(o[:, None], z)
-        return y.reshape(y.shape[0], cfg.value_heads * cfg.value_head_dim), {"conv": conv, "ssm": ssm}
+            y, ssm = op("gdn_decode_gated_slots")(
+                mixed, proj, self.A_log[...], self.dt_bias[...], self.norm.weight[...], pool["ssm"], batch.slots,
+                batch.fresh, key_heads=cfg.key_heads, key_dim=cfg.key_head_dim, z_offset=cfg.conv_channels,
+                ba_offset=ba_offset, eps=self.norm.eps,
+            )
+        return y.reshape(rows, value_size), {"conv": conv, "ssm": ssm}
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T]: the rows become one packed token buffer, and the varlen ops

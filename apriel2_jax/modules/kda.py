@@ -6,7 +6,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ..config import KDAConfig
@@ -49,14 +48,16 @@ class KimiDeltaAttention(nnx.Module):
 
     def _gate_inputs(self, x: jax.Array):
         """(decay gate input g_raw [B,T,H,D], beta [B,T,H] fp32, output gate [B,T,H,D])."""
-        return self._gate_inputs_from(self.f_a_proj(x), self.g_a_proj(x), self.beta_proj(x))
+        cfg = self.cfg
+        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
+        g_raw, beta, gate = self._gate_inputs_from(self.f_a_proj(x), self.g_a_proj(x), self.beta_proj(x))
+        return g_raw.reshape(shape), beta, gate.reshape(shape)
 
     def _gate_inputs_from(self, f_a: jax.Array, g_a: jax.Array, beta: jax.Array):
-        """``_gate_inputs`` from the low-rank gates' first projections and the beta projection's output."""
-        cfg = self.cfg
-        shape = f_a.shape[:2] + (cfg.heads, cfg.head_dim)
+        """``_gate_inputs`` from the low-rank gates' first projections and the beta projection's output, flat
+        over heads ([..., H D] and [..., H])."""
         beta = jax.nn.sigmoid(beta.astype(jnp.float32))
-        return self.f_b_proj(f_a).reshape(shape), beta, self.g_b_proj(g_a).reshape(shape)
+        return self.f_b_proj(f_a), beta, self.g_b_proj(g_a)
 
     def _gates(self, x: jax.Array):
         """(g [B,T,H,D] fp32 log decay, beta [B,T,H] fp32, output gate [B,T,H,D])."""
@@ -97,26 +98,23 @@ class KimiDeltaAttention(nnx.Module):
         return self._output(o, gate), dict(convs, ssm=ssm)
 
     def _convs_paged(self, x: jax.Array, batch, pool: dict):
-        return self._convs_paged_from((self.q_proj(x), self.k_proj(x), self.v_proj(x)), batch, pool)
-
-    def _convs_paged_from(self, projected, batch, pool: dict):
-        """The q, k and v convs over their projections' outputs [S, T, size] (states in the slot pool)."""
         cfg = self.cfg
-        shape = projected[0].shape[:2] + (cfg.heads, cfg.head_dim)
+        shape = x.shape[:2] + (cfg.heads, cfg.head_dim)
         out, convs = [], {}
-        for name, y, conv in zip("qkv", projected, (self.q_conv, self.k_conv, self.v_conv)):
-            y, convs[f"conv_{name}"] = conv_paged(conv, y, pool[f"conv_{name}"], batch, op)
+        for name, proj, conv in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                                 ("v", self.v_proj, self.v_conv)):
+            y, convs[f"conv_{name}"] = conv_paged(conv, proj(x), pool[f"conv_{name}"], batch, op)
             out.append(y.reshape(shape))
         return (*out, convs)
 
     def _input_projections(self) -> tuple[Linear, ...]:
-        """Every projection of the mixer's input, in the order ``_decode`` takes their outputs."""
+        """Every projection of the mixer's input, in the order ``_decode`` takes their outputs side by side."""
         return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.beta_proj)
 
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row (x [S, 1, D], normalised): conv and recurrent states are updated in
         place in the slot pool (Pallas kernels on GPU)."""
-        y, pool = self._decode([proj(x) for proj in self._input_projections()], batch, pool)
+        y, pool = self._decode(jnp.concatenate([p(x[:, 0]) for p in self._input_projections()], -1), batch, pool)
         return self.o_proj(y)[:, None], pool
 
     def fused_decode(self, norm) -> Callable | None:
@@ -135,32 +133,44 @@ class KimiDeltaAttention(nnx.Module):
         one kernel, the convs, gates and state update, then the output projection added to ``x``. Returns the new
         residual stream and the pool."""
         weights = tuple(proj.weight[...] for proj in self._input_projections())
-        projected = fused(x[:, 0], norm.weight[...], norm.eps, weights)[:, None]
-        bounds = np.cumsum([0] + [w.shape[0] for w in weights])
-        y, pool = self._decode([projected[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], batch, pool)
+        y, pool = self._decode(fused(x[:, 0], norm.weight[...], norm.eps, weights), batch, pool)
         return residual_projection(self.o_proj, y, x), pool
 
-    def _decode(self, projected, batch, pool: dict):
-        """One token per row from the input projections' outputs [S, 1, *] (``_input_projections``' order): the
-        gated norm's output [S, size] (the output projection's input) and the updated pool."""
-        q_in, k_in, v_in, f_a, g_a, beta = projected
-        g_raw, beta, gate = self._gate_inputs_from(f_a, g_a, beta)
+    def _decode(self, proj: jax.Array, batch, pool: dict):
+        """One token per row from the input projections' outputs side by side, proj [S, q|k|v|f_a|g_a|beta]
+        (``_input_projections``): the gated norm's output [S, size] (the output projection's input) and the
+        updated pool. The convs and the update read their inputs in place in ``proj`` (slices handed to a kernel
+        would be copies)."""
+        cfg = self.cfg
+        size, dim = cfg.projection_size, cfg.head_dim
+        f_a, g_a = proj[:, 3 * size : 3 * size + dim], proj[:, 3 * size + dim : 3 * size + 2 * dim]
+        beta_offset = 3 * size + 2 * dim
         fused = kernel("kda_decode_fused_slots")
         if fused is not None:  # convs, gate and the state update in one kernel
+            g_raw, beta, gate = self._gate_inputs_from(f_a, g_a, proj[:, beta_offset:])
+            shape = (proj.shape[0], cfg.heads, dim)
             o, conv_pools, ssm = fused(
-                q_in[:, 0], k_in[:, 0], v_in[:, 0], (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
-                (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw[:, 0], beta[:, 0], self.A_log[...],
+                proj[:, :size], proj[:, size : 2 * size], proj[:, 2 * size : 3 * size],
+                (self.q_conv.taps, self.k_conv.taps, self.v_conv.taps),
+                (pool["conv_q"], pool["conv_k"], pool["conv_v"]), g_raw.reshape(shape), beta, self.A_log[...],
                 self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh,
             )
             convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
+            y = self.norm(o, gate.reshape(shape))
         else:
-            q, k, v, convs = self._convs_paged_from((q_in, k_in, v_in), batch, pool)
-            g = kda_gate(g_raw, self.A_log[...], self.dt_bias[...])
-            o, ssm = op("delta_rule_decode_slots")(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool["ssm"], batch.slots, batch.fresh
+            convs, qkv = {}, []
+            for i, (name, conv) in enumerate((("q", self.q_conv), ("k", self.k_conv), ("v", self.v_conv))):
+                out, convs[f"conv_{name}"] = op("causal_conv1d_decode_slots")(
+                    proj, conv.taps, conv.bias_or_none, pool[f"conv_{name}"], batch.slots, batch.fresh,
+                    x_offset=i * size,
+                )
+                qkv.append(out)
+            y, ssm = op("kda_decode_gated_slots")(
+                *qkv, self.f_b_proj(f_a), self.g_b_proj(g_a), proj, self.A_log[...], self.dt_bias[...],
+                self.norm.weight[...], pool["ssm"], batch.slots, batch.fresh, beta_offset=beta_offset,
+                eps=self.norm.eps, norm_activation=self.norm.activation,
             )
-        y = self.norm(o[:, None], gate)
-        return y.reshape(y.shape[0], self.cfg.projection_size), dict(convs, ssm=ssm)
+        return y.reshape(proj.shape[0], size), dict(convs, ssm=ssm)
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T], packed into one token buffer for the varlen slot-pool ops."""

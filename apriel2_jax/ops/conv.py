@@ -100,8 +100,16 @@ def causal_conv1d_decode_slots(
     slots: jax.Array,
     fresh: jax.Array,
     activation: str | None = "silu",
+    *,
+    x_offset: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per row against the slot pool. x: [S, C]; conv_pool: [N_slots, K-1, C]. Every row writes its
-    slot (padding rows write the sink slot 0). Returns y [S, C] and the pool."""
+    """One token per row against the slot pool. x: [S, C], or a wider buffer whose columns [x_offset, x_offset + C)
+    are the input (a projection's output read in place; C is the weight's); conv_pool: [N_slots, K-1, C]. Every
+    row writes its slot (padding rows write the sink slot 0). Returns y [S, C] and the pool."""
+    channels = weight.shape[0]
+    if x.ndim != 2 or not 0 <= x_offset <= x.shape[1] - channels:
+        raise ValueError(f"conv input must be [S, >= {x_offset} + {channels}] (x_offset + the weight's channels), "
+                         f"got {list(x.shape)}")
+    x = x[:, x_offset : x_offset + channels]
     y, rows = causal_conv1d_step(x, weight, bias, slot_rows(conv_pool, slots, fresh), activation)
     return y, conv_pool.at[slots].set(rows.astype(conv_pool.dtype))

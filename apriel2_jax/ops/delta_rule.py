@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .conv import causal_conv1d_decode_slots
-from .norms import F32, activation, l2_normalize, softplus
+from .norms import F32, activation, gated_rms_norm, l2_normalize, softplus
 from .slots import slot_rows, varlen_rows
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -251,6 +251,78 @@ def delta_rule_decode_slots_packed(
         raise ValueError(f"packed q|k|v must be [B, 2 * {key_heads} * {key_dim} + H * V], got {list(mixed.shape)}")
     q, k, v = split_packed_qkv(mixed, key_heads, key_dim, beta.shape[1])
     return delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
+
+
+def _columns(src: jax.Array, offset: int, width: int, what: str) -> jax.Array:
+    """Columns [offset, offset + width) of a [B, *] buffer (an input read in place by the kernels)."""
+    if src.ndim != 2 or not 0 <= offset <= src.shape[1] - width:
+        raise ValueError(f"{what}: needs a [B, >= {offset} + {width}] buffer, got {list(src.shape)}")
+    return src[:, offset : offset + width]
+
+
+def gdn_decode_gated_slots(
+    mixed: jax.Array,
+    proj: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    norm_weight: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    key_heads: int,
+    key_dim: int,
+    z_offset: int,
+    ba_offset: int,
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """GDN's decode step from its conv output to its output norm, as the module chains it: the gates from the raw
+    b, a projections (``beta = sigmoid(b)`` in the model dtype, ``g = gdn_gate(a)``), the update over the packed
+    q|k|v (``delta_rule_decode_slots_packed``), then ``gated_rms_norm(o, z)`` (silu). mixed: [B, 2 H_k K + H V];
+    proj: the input projections' output [B, *] holding z [H V] at column ``z_offset`` and b, a [H each] at
+    ``ba_offset`` (one kernel reads them there: slices would be copies); A_log, dt_bias: [H]; norm_weight: [V].
+    Returns the normed output [B, H, V] in mixed's dtype and the pool."""
+    heads = A_log.shape[0]
+    value_size = mixed.shape[-1] - 2 * key_heads * key_dim
+    ba = _columns(proj, ba_offset, 2 * heads, "b|a gates")
+    z = _columns(proj, z_offset, value_size, "z").reshape(-1, heads, value_size // heads)
+    beta = activation("sigmoid", ba[:, :heads])
+    g = gdn_gate(ba[:, heads:], A_log, dt_bias)
+    o, state_pool = delta_rule_decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, key_heads=key_heads,
+                                                   key_dim=key_dim)
+    return gated_rms_norm(o, z, norm_weight, eps, "silu"), state_pool
+
+
+def kda_decode_gated_slots(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g_raw: jax.Array,
+    gate: jax.Array,
+    proj: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    norm_weight: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    beta_offset: int,
+    eps: float,
+    norm_activation: str,
+) -> tuple[jax.Array, jax.Array]:
+    """KDA's decode step from its convs' outputs to its output norm, as the module chains it: the per-channel
+    decay ``kda_gate(g_raw)``, ``beta = sigmoid(beta_raw)`` in fp32, the update, then ``gated_rms_norm(o, gate)`` with ``norm_activation``.
+    q, k, v, g_raw, gate: [B, H D] (head-major); proj: the input projections' output [B, *] holding the raw beta
+    [H] at column ``beta_offset``; A_log: [H]; dt_bias: [H D]; norm_weight: [D]. Returns the normed output
+    [B, H, D] in v's dtype and the pool."""
+    heads = A_log.shape[0]
+    shape = (q.shape[0], heads, q.shape[1] // heads)
+    q, k, v, g_raw, gate = (t.reshape(shape) for t in (q, k, v, g_raw, gate))
+    beta = jax.nn.sigmoid(_columns(proj, beta_offset, heads, "beta").astype(F32))
+    g = kda_gate(g_raw, A_log, dt_bias)
+    o, state_pool = delta_rule_decode_slots(q, k, v, g, beta, state_pool, slots, fresh)
+    return gated_rms_norm(o, gate, norm_weight, eps, norm_activation), state_pool
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -105,3 +105,21 @@ def test_cross_lowers_for_cuda_at_production_shapes(decode):
     else:
         _lower(causal_conv1d_varlen, *args, S((seqs,), i32), S((seqs,), i32), S((seqs,), i32), S((seqs,), jnp.bool_),
                max_len=2048)
+
+
+def test_decode_kernel_reads_its_input_in_place_at_an_offset():
+    """x_offset: the input is columns [offset, offset + C) of a wider buffer (a projection's output read in
+    place), in the op and the kernel alike; an offset past the buffer is refused."""
+    x, w, b, pool = _inputs(3, tokens=4, dtype=jnp.bfloat16)
+    slots, fresh = jnp.asarray([5, 0, 2, 7], jnp.int32), jnp.asarray([False, False, True, False])
+    wide = jnp.concatenate([jnp.ones((4, 8), x.dtype), x, -jnp.ones((4, 24), x.dtype)], axis=1)
+    y_ref, pool_ref = causal_conv1d_decode_slots(x, w, b, pool, slots, fresh)
+    y_op, pool_op = causal_conv1d_decode_slots(wide, w, b, pool, slots, fresh, x_offset=8)
+    np.testing.assert_array_equal(np.asarray(y_op, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(pool_op, np.float32), np.asarray(pool_ref, np.float32))
+    y, new_pool = causal_conv1d_decode(wide, w, b, jnp.array(pool, copy=True), slots, fresh, x_offset=8, block_c=8,
+                                       interpret=True)
+    assert y.shape == x.shape and _rel(y, y_ref) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(new_pool, np.float32), np.asarray(pool_ref, np.float32))
+    with pytest.raises(ValueError, match="conv input"):
+        causal_conv1d_decode_slots(wide, w, b, pool, slots, fresh, x_offset=wide.shape[1] - x.shape[1] + 1)

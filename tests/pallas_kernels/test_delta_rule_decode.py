@@ -142,3 +142,80 @@ def test_packed_kernel_cross_lowers_for_cuda():
         S((batch,), jnp.bool_),
     )
     _assert_lowers_for_cuda(delta_rule_decode_packed, args, key_heads=key_heads, key_dim=dim, block_v=64, num_warps=4)
+
+
+def _gated_inputs(seed, kda, batch=3, heads=4, key_heads=2, dim=16, pool=7, dtype=jnp.bfloat16):
+    """The gated ops' inputs as the modules hand them over: GDN's conv output and its projections' buffer
+    (z and b|a at offsets, other columns around them), KDA's conv outputs, gate projections and a projections
+    buffer holding the raw beta."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    common = dict(
+        A_log=jnp.asarray(rng.uniform(-1.0, 1.0, heads), jnp.float32),
+        norm_weight=f(dim),
+        state_pool=jnp.asarray(rng.standard_normal((pool, heads, dim, dim)), jnp.float32),
+        slots=jnp.asarray([5, 1, 3][:batch], jnp.int32),
+        fresh=jnp.asarray([False, True, False][:batch]),
+    )
+    if kda:
+        size = heads * dim
+        return dict(common, q=f(batch, size), k=f(batch, size), v=f(batch, size), g_raw=f(batch, size),
+                    gate=f(batch, size), proj=f(batch, 40 + heads), dt_bias=jnp.asarray(rng.standard_normal(size),
+                                                                                         jnp.float32)), \
+            dict(beta_offset=40, eps=1e-5, norm_activation="sigmoid")
+    mixed = f(batch, 2 * key_heads * dim + heads * dim)
+    proj = f(batch, 24 + heads * dim + 2 * heads + 8)
+    return dict(common, mixed=mixed, proj=proj, dt_bias=jnp.asarray(rng.standard_normal(heads), jnp.float32)), \
+        dict(key_heads=key_heads, key_dim=dim, z_offset=24, ba_offset=24 + heads * dim, eps=1e-5)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_gated_kernels_match_the_ops(kda):
+    """The update with its gates from raw projections and its gated output norm, against the jnp op; the op
+    against the chain of ops the module ran before (gates, update, ``gated_rms_norm``)."""
+    from apriel2_jax.ops.delta_rule import (gdn_decode_gated_slots, gdn_gate, kda_decode_gated_slots, kda_gate)
+    from apriel2_jax.ops.norms import activation, gated_rms_norm
+    from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
+
+    x, kw = _gated_inputs(4, kda)
+    op, kernel = (kda_decode_gated_slots, kda_decode_gated) if kda else (gdn_decode_gated_slots, gdn_decode_gated)
+    y_ref, pool_ref = op(**x, **kw)
+    if kda:
+        shape = (3, 4, 16)
+        g = kda_gate(x["g_raw"].reshape(shape), x["A_log"], x["dt_bias"])
+        beta = jax.nn.sigmoid(x["proj"][:, 40:44].astype(jnp.float32))
+        o, pool = delta_rule_decode_slots(*(x[n].reshape(shape) for n in "qkv"), g, beta, x["state_pool"], x["slots"],
+                                          x["fresh"])
+        chain = gated_rms_norm(o, x["gate"].reshape(shape), x["norm_weight"], 1e-5, "sigmoid")
+    else:
+        ba = x["proj"][:, 88:96]
+        g, beta = gdn_gate(ba[:, 4:], x["A_log"], x["dt_bias"]), activation("sigmoid", ba[:, :4])
+        o, pool = delta_rule_decode_slots_packed(x["mixed"], g, beta, x["state_pool"], x["slots"], x["fresh"],
+                                                 key_heads=2, key_dim=16)
+        chain = gated_rms_norm(o, x["proj"][:, 24:88].reshape(3, 4, 16), x["norm_weight"], 1e-5, "silu")
+    np.testing.assert_array_equal(np.asarray(y_ref, np.float32), np.asarray(chain, np.float32))
+    np.testing.assert_array_equal(np.asarray(pool_ref), np.asarray(pool))
+    y, new_pool = kernel(**dict(x, state_pool=x["state_pool"].copy()), **kw, interpret=True)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    assert _rel(y, y_ref) <= 2e-2 and _rel(new_pool, pool_ref) <= 1e-5
+    untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(new_pool)[untouched], np.asarray(x["state_pool"])[untouched])
+
+
+def test_gated_kernels_cross_lower_for_cuda():
+    """The 0.5B geometry, 32 rows: GDN (14 value heads over 2 key heads, its q|k|v|z|b|a buffer) and KDA (14
+    heads, its six projections' buffer), K = V = 64, bf16."""
+    from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
+
+    S = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    batch, heads, dim, pool = 32, 14, 64, 33
+    tail = (S((heads,), f32), S((dim,), bf), S((pool, heads, dim, dim), f32), S((batch,), jnp.int32),
+            S((batch,), jnp.bool_))
+    gdn = (S((batch, 1152), bf), S((batch, 2076), bf), tail[0], S((heads,), f32), *tail[1:])
+    _assert_lowers_for_cuda(gdn_decode_gated, gdn, key_heads=2, key_dim=dim, z_offset=1152, ba_offset=2048, eps=1e-5)
+    size = heads * dim
+    kda = (*[S((batch, size), bf)] * 5, S((batch, 3 * size + 2 * dim + heads), bf), tail[0], S((size,), f32),
+           *tail[1:])
+    _assert_lowers_for_cuda(kda_decode_gated, kda, beta_offset=3 * size + 2 * dim, eps=1e-5,
+                            norm_activation="sigmoid")
