@@ -222,9 +222,10 @@ def decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, *, key_heads, 
 def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value_dim, heads, offsets, eps,
                   norm_act):
     """One program per (head, row), the head's whole [K, V] state. GDN: refs = (q|k|v buffer, projections buffer
-    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (q, k, v, g_raw, gate [B, H D],
-    projections buffer (beta), A_log, dt_bias, norm weight, pool in, y, pool). ``offsets`` are the static columns
-    of the inputs read in place."""
+    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (q, k, v [B, H D], projections buffer
+    (f_a, g_a, beta), f_b and g_b weights, A_log, dt_bias, norm weight, pool in, y, pool): each program computes its
+    head's rows of the two low-rank gates (2 x [D, R] weights, from L2 after the first row), which were two XLA
+    GEMVs per layer. ``offsets`` are the static columns of the inputs read in place."""
     head, row = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[row]
     fresh = fresh_ref[row] != 0
@@ -242,11 +243,18 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
         g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(a.astype(F32) + dtb_ref[head].astype(F32))
         decay = jnp.exp(g)
     else:
-        q_ref, k_ref, v_ref, graw_ref, gate_ref, proj_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
+        q_ref, k_ref, v_ref, proj_ref, fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
         q, k, v = q_ref[row, heads_v], k_ref[row, heads_v], v_ref[row, heads_v]
-        gate = gate_ref[row, heads_v]
+        rank = pl.ds(0, fb_ref.shape[1])
+
+        def low_rank(w_ref, offset):
+            """This head's rows of a low-rank gate's second projection, rounded as ``Linear`` rounds them."""
+            x = proj_ref[row, pl.ds(offset, fb_ref.shape[1])].astype(F32)
+            return jnp.sum(w_ref[heads_v, rank].astype(F32) * x[None, :], axis=1).astype(v.dtype).astype(F32)
+
+        gate = low_rank(gb_ref, offsets["g_a"])
         beta = jax.nn.sigmoid(proj_ref[row, offsets["beta"] + head].astype(F32))
-        g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(graw_ref[row, heads_v].astype(F32)
+        g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(low_rank(fb_ref, offsets["f_a"])
                                                              + dtb_ref[heads_v].astype(F32))
         decay = jnp.exp(g)[:, None]
     o = step_slab(state_ref, slot, head, pl.ds(0, value_dim), fresh, q.astype(F32), k.astype(F32), v.astype(F32),
@@ -309,19 +317,29 @@ def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots
                        num_warps=num_warps, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("beta_offset", "eps", "norm_activation", "num_warps", "interpret"),
-                   donate_argnames=("state_pool",))
-def kda_decode_gated(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
-                     beta_offset, eps, norm_activation, num_warps=4, interpret=False):
+_KDA_STATIC = ("f_a_offset", "g_a_offset", "beta_offset", "eps", "norm_activation")
+
+
+@functools.partial(jax.jit, static_argnames=_KDA_STATIC + ("num_warps", "interpret"), donate_argnames=("state_pool",))
+def kda_decode_gated(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
+                     f_a_offset, g_a_offset, beta_offset, eps, norm_activation, num_warps=4, interpret=False):
     """The kernel of ``apriel2_jax.ops.delta_rule.kda_decode_gated_slots`` (same signature)."""
     heads = A_log.shape[0]
     dim = q.shape[-1] // heads
-    reason = gated_unsupported(dim, dim, norm_activation)
+    reason = kda_gated_unsupported(dim, f_b_weight.shape[1], norm_activation)
     if reason is not None:
         raise ValueError(f"kda_decode_gated: {reason}")
-    return _gated_call("kda", (q, k, v, g_raw, gate, proj), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
-                       rep=1, key_dim=dim, value_dim=dim, offsets={"beta": beta_offset}, eps=eps,
+    return _gated_call("kda", (q, k, v, proj, f_b_weight, g_b_weight), A_log, dt_bias, norm_weight, state_pool,
+                       slots, fresh, rep=1, key_dim=dim, value_dim=dim,
+                       offsets={"f_a": f_a_offset, "g_a": g_a_offset, "beta": beta_offset}, eps=eps,
                        norm_act=norm_activation, dtype=v.dtype, num_warps=num_warps, interpret=interpret)
+
+
+def kda_gated_unsupported(dim: int, rank: int, norm_act: str) -> str | None:
+    """``gated_unsupported`` for KDA, whose low-rank gates' inner width is loaded whole too."""
+    if not _is_power_of_two(rank):
+        return f"the low-rank gates' width must be a power of two (got {rank})"
+    return gated_unsupported(dim, dim, norm_act)
 
 
 def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads,
@@ -338,15 +356,15 @@ def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool,
     return gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, **kwargs)
 
 
-def kda_decode_gated_slots(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
-                           beta_offset, eps, norm_activation):
+def kda_decode_gated_slots(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots,
+                           fresh, *, f_a_offset, g_a_offset, beta_offset, eps, norm_activation):
     """Dispatch entry for "kda_decode_gated_slots"."""
     from apriel2_jax.ops import delta_rule as ops
 
     dim = q.shape[-1] // A_log.shape[0]
-    kwargs = dict(beta_offset=beta_offset, eps=float(eps), norm_activation=norm_activation)
-    if gated_unsupported(dim, dim, norm_activation) is not None:
-        return ops.kda_decode_gated_slots(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool,
-                                          slots, fresh, **kwargs)
-    return kda_decode_gated(q, k, v, g_raw, gate, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
-                            **kwargs)
+    args = (q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots, fresh)
+    kwargs = dict(f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=float(eps),
+                  norm_activation=norm_activation)
+    if kda_gated_unsupported(dim, f_b_weight.shape[1], norm_activation) is not None:
+        return ops.kda_decode_gated_slots(*args, **kwargs)
+    return kda_decode_gated(*args, **kwargs)

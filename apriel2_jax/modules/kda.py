@@ -143,11 +143,11 @@ class KimiDeltaAttention(nnx.Module):
         would be copies)."""
         cfg = self.cfg
         size, dim = cfg.projection_size, cfg.head_dim
-        f_a, g_a = proj[:, 3 * size : 3 * size + dim], proj[:, 3 * size + dim : 3 * size + 2 * dim]
-        beta_offset = 3 * size + 2 * dim
+        f_a_offset, g_a_offset, beta_offset = 3 * size, 3 * size + dim, 3 * size + 2 * dim
         fused = kernel("kda_decode_fused_slots")
         if fused is not None:  # convs, gate and the state update in one kernel
-            g_raw, beta, gate = self._gate_inputs_from(f_a, g_a, proj[:, beta_offset:])
+            g_raw, beta, gate = self._gate_inputs_from(proj[:, f_a_offset:g_a_offset], proj[:, g_a_offset:beta_offset],
+                                                       proj[:, beta_offset:])
             shape = (proj.shape[0], cfg.heads, dim)
             o, conv_pools, ssm = fused(
                 proj[:, :size], proj[:, size : 2 * size], proj[:, 2 * size : 3 * size],
@@ -166,9 +166,10 @@ class KimiDeltaAttention(nnx.Module):
                 )
                 qkv.append(out)
             y, ssm = op("kda_decode_gated_slots")(
-                *qkv, self.f_b_proj(f_a), self.g_b_proj(g_a), proj, self.A_log[...], self.dt_bias[...],
-                self.norm.weight[...], pool["ssm"], batch.slots, batch.fresh, beta_offset=beta_offset,
-                eps=self.norm.eps, norm_activation=self.norm.activation,
+                *qkv, proj, self.f_b_proj.weight[...], self.g_b_proj.weight[...], self.A_log[...],
+                self.dt_bias[...], self.norm.weight[...], pool["ssm"], batch.slots, batch.fresh,
+                f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=self.norm.eps,
+                norm_activation=self.norm.activation,
             )
         return y.reshape(proj.shape[0], size), dict(convs, ssm=ssm)
 

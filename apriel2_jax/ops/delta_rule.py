@@ -297,9 +297,9 @@ def kda_decode_gated_slots(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    g_raw: jax.Array,
-    gate: jax.Array,
     proj: jax.Array,
+    f_b_weight: jax.Array,
+    g_b_weight: jax.Array,
     A_log: jax.Array,
     dt_bias: jax.Array,
     norm_weight: jax.Array,
@@ -307,16 +307,23 @@ def kda_decode_gated_slots(
     slots: jax.Array,
     fresh: jax.Array,
     *,
+    f_a_offset: int,
+    g_a_offset: int,
     beta_offset: int,
     eps: float,
     norm_activation: str,
 ) -> tuple[jax.Array, jax.Array]:
-    """KDA's decode step from its convs' outputs to its output norm, as the module chains it: the per-channel
-    decay ``kda_gate(g_raw)``, ``beta = sigmoid(beta_raw)`` in fp32, the update, then ``gated_rms_norm(o, gate)`` with ``norm_activation``.
-    q, k, v, g_raw, gate: [B, H D] (head-major); proj: the input projections' output [B, *] holding the raw beta
-    [H] at column ``beta_offset``; A_log: [H]; dt_bias: [H D]; norm_weight: [D]. Returns the normed output
-    [B, H, D] in v's dtype and the pool."""
-    heads = A_log.shape[0]
+    """KDA's decode step from its convs' outputs to its output norm, as the module chains it: the low-rank gates'
+    second projections (``g_raw = f_b(f_a)``, ``gate = g_b(g_a)``, each rounded to the dtype as ``Linear``), the
+    per-channel decay ``kda_gate(g_raw)``, ``beta = sigmoid(beta_raw)`` in fp32, the update, then
+    ``gated_rms_norm(o, gate)`` with ``norm_activation``. q, k, v: [B, H D] (head-major); proj: the input
+    projections' output [B, *] holding f_a and g_a [R] at ``f_a_offset`` and ``g_a_offset`` and the raw beta [H]
+    at ``beta_offset``; f_b_weight, g_b_weight: [H D, R] (``Linear``'s [out, in]); A_log: [H]; dt_bias: [H D];
+    norm_weight: [D]. Returns the normed output [B, H, D] in v's dtype and the pool."""
+    heads, rank = A_log.shape[0], f_b_weight.shape[1]
+    f_a = _columns(proj, f_a_offset, rank, "f_a")
+    g_a = _columns(proj, g_a_offset, rank, "g_a")
+    g_raw, gate = (jnp.einsum("bi,oi->bo", x, w) for x, w in ((f_a, f_b_weight), (g_a, g_b_weight)))
     shape = (q.shape[0], heads, q.shape[1] // heads)
     q, k, v, g_raw, gate = (t.reshape(shape) for t in (q, k, v, g_raw, gate))
     beta = jax.nn.sigmoid(_columns(proj, beta_offset, heads, "beta").astype(F32))

@@ -158,11 +158,11 @@ def _gated_inputs(seed, kda, batch=3, heads=4, key_heads=2, dim=16, pool=7, dtyp
         fresh=jnp.asarray([False, True, False][:batch]),
     )
     if kda:
-        size = heads * dim
-        return dict(common, q=f(batch, size), k=f(batch, size), v=f(batch, size), g_raw=f(batch, size),
-                    gate=f(batch, size), proj=f(batch, 40 + heads), dt_bias=jnp.asarray(rng.standard_normal(size),
-                                                                                         jnp.float32)), \
-            dict(beta_offset=40, eps=1e-5, norm_activation="sigmoid")
+        size, rank = heads * dim, 8
+        weights = dict(f_b_weight=f(size, rank) * 0.3, g_b_weight=f(size, rank) * 0.3)
+        return dict(common, **weights, q=f(batch, size), k=f(batch, size), v=f(batch, size),
+                    proj=f(batch, 40 + 2 * rank + heads), dt_bias=jnp.asarray(rng.standard_normal(size), jnp.float32)), \
+            dict(f_a_offset=40, g_a_offset=40 + rank, beta_offset=40 + 2 * rank, eps=1e-5, norm_activation="sigmoid")
     mixed = f(batch, 2 * key_heads * dim + heads * dim)
     proj = f(batch, 24 + heads * dim + 2 * heads + 8)
     return dict(common, mixed=mixed, proj=proj, dt_bias=jnp.asarray(rng.standard_normal(heads), jnp.float32)), \
@@ -171,8 +171,12 @@ def _gated_inputs(seed, kda, batch=3, heads=4, key_heads=2, dim=16, pool=7, dtyp
 
 @pytest.mark.parametrize("kda", [False, True])
 def test_gated_kernels_match_the_ops(kda):
-    """The update with its gates from raw projections and its gated output norm, against the jnp op; the op
-    against the chain of ops the module ran before (gates, update, ``gated_rms_norm``)."""
+    """The update with its gates from raw projections (KDA: the low-rank gates' second projections too) and its
+    gated output norm, against the jnp op; the op against the chain of ops the module ran before (gate
+    projections, gates, update, ``gated_rms_norm``)."""
+    from flax import nnx
+
+    from apriel2_jax.modules.layers import Linear
     from apriel2_jax.ops.delta_rule import (gdn_decode_gated_slots, gdn_gate, kda_decode_gated_slots, kda_gate)
     from apriel2_jax.ops.norms import activation, gated_rms_norm
     from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
@@ -182,11 +186,14 @@ def test_gated_kernels_match_the_ops(kda):
     y_ref, pool_ref = op(**x, **kw)
     if kda:
         shape = (3, 4, 16)
-        g = kda_gate(x["g_raw"].reshape(shape), x["A_log"], x["dt_bias"])
-        beta = jax.nn.sigmoid(x["proj"][:, 40:44].astype(jnp.float32))
+        g_raw = Linear(8, 64, False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        g_raw.weight[...] = x["f_b_weight"]
+        gate = jnp.einsum("...i,oi->...o", x["proj"][:, 48:56], x["g_b_weight"])  # Linear's product
+        g = kda_gate(g_raw(x["proj"][:, 40:48]).reshape(shape), x["A_log"], x["dt_bias"])
+        beta = jax.nn.sigmoid(x["proj"][:, 56:60].astype(jnp.float32))
         o, pool = delta_rule_decode_slots(*(x[n].reshape(shape) for n in "qkv"), g, beta, x["state_pool"], x["slots"],
                                           x["fresh"])
-        chain = gated_rms_norm(o, x["gate"].reshape(shape), x["norm_weight"], 1e-5, "sigmoid")
+        chain = gated_rms_norm(o, gate.reshape(shape), x["norm_weight"], 1e-5, "sigmoid")
     else:
         ba = x["proj"][:, 88:96]
         g, beta = gdn_gate(ba[:, 4:], x["A_log"], x["dt_bias"]), activation("sigmoid", ba[:, :4])
@@ -204,7 +211,7 @@ def test_gated_kernels_match_the_ops(kda):
 
 def test_gated_kernels_cross_lower_for_cuda():
     """The 0.5B geometry, 32 rows: GDN (14 value heads over 2 key heads, its q|k|v|z|b|a buffer) and KDA (14
-    heads, its six projections' buffer), K = V = 64, bf16."""
+    heads, its six projections' buffer, low-rank gates of width 64), K = V = 64, bf16."""
     from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
 
     S = jax.ShapeDtypeStruct
@@ -215,7 +222,7 @@ def test_gated_kernels_cross_lower_for_cuda():
     gdn = (S((batch, 1152), bf), S((batch, 2076), bf), tail[0], S((heads,), f32), *tail[1:])
     _assert_lowers_for_cuda(gdn_decode_gated, gdn, key_heads=2, key_dim=dim, z_offset=1152, ba_offset=2048, eps=1e-5)
     size = heads * dim
-    kda = (*[S((batch, size), bf)] * 5, S((batch, 3 * size + 2 * dim + heads), bf), tail[0], S((size,), f32),
-           *tail[1:])
-    _assert_lowers_for_cuda(kda_decode_gated, kda, beta_offset=3 * size + 2 * dim, eps=1e-5,
-                            norm_activation="sigmoid")
+    kda = (*[S((batch, size), bf)] * 3, S((batch, 3 * size + 2 * dim + heads), bf), S((size, dim), bf),
+           S((size, dim), bf), tail[0], S((size,), f32), *tail[1:])
+    _assert_lowers_for_cuda(kda_decode_gated, kda, f_a_offset=3 * size, g_a_offset=3 * size + dim,
+                            beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid")
