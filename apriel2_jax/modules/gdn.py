@@ -93,7 +93,8 @@ class GatedDeltaNet(nnx.Module):
     def paged_decode(self, x: jax.Array, batch, pool: dict):
         """Engine decode, one token per row (x [S, 1, D], normalised): conv and recurrent states are updated in
         place in the slot pool (Pallas kernels on GPU)."""
-        y, pool = self._decode(jnp.concatenate([self.in_proj_qkvz(x[:, 0]), self.in_proj_ba(x[:, 0])], -1), batch, pool)
+        proj = jnp.concatenate([self.in_proj_qkvz(x[:, 0]), self.in_proj_ba(x[:, 0])], -1)
+        y, pool = self._decode(proj, batch, pool)
         return self.out_proj(y)[:, None], pool
 
     def fused_decode(self, norm) -> Callable | None:
