@@ -28,6 +28,9 @@ def register_all() -> None:
     # The update with its gates and output norm: each would be an XLA fusion of its own per layer.
     dispatch.register("gdn_decode_gated_slots", "gpu", delta_rule_decode.gdn_decode_gated_slots)
     dispatch.register("kda_decode_gated_slots", "gpu", delta_rule_decode.kda_decode_gated_slots)
+    # KDA's three convs too: each (head, row) program owns its head's conv channels (GDN's key heads are shared by
+    # several value heads, whose programs would race on their q/k conv state).
+    dispatch.register("kda_decode_conv_gated_slots", "gpu", delta_rule_decode.kda_decode_conv_gated_slots)
     # The fused decode kernels (conv + gates + update in one kernel, ``delta_rule_decode_fused``) are not
     # registered: in device time at B=256 H=32 K=V=128 on an H100 the unfused chain of dispatched kernels is
     # faster (GDN 409 vs 452 us, KDA 424 vs 523 us; an earlier run 479 vs 480 and 459 vs 556), since the update

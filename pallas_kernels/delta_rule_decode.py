@@ -219,8 +219,37 @@ def decode_slots_packed(mixed, g, beta, state_pool, slots, fresh, *, key_heads, 
 # The update with its gates and output norm (GDN and KDA decode from their convs' outputs to the output projection)
 
 
+def _head_convs(proj_ref, weight_refs, bias_refs, pool_refs, row, slot, fresh, head, dim, *, barrier):
+    """KDA's q, k and v convs (silu) on one head's channels for one row: inputs at columns i H D + head D of the
+    projections buffer, weights [Kc, H D], the pools [P, Kc-1, H D] updated in place (each (head, row) program
+    owns its channels of its row's slot). Returns q, k, v [D] rounded to the buffer's dtype, as the conv kernel
+    stores them, in fp32."""
+    size = weight_refs[0].shape[1]
+    cols, dtype = pl.ds(head * dim, dim), proj_ref.dtype
+    taps = weight_refs[0].shape[0]
+    windows, outs = [], []
+    for i, (w_ref, b_ref, pool_ref) in enumerate(zip(weight_refs, bias_refs, pool_refs)):
+        window = []
+        for j in range(taps - 1):
+            s = pool_ref[slot, j, cols].astype(dtype)
+            window.append(jnp.where(fresh, jnp.zeros_like(s), s))
+        window.append(proj_ref[row, pl.ds(i * size + head * dim, dim)])
+        acc = b_ref[cols].astype(F32)
+        for j in range(taps):
+            acc = acc + window[j].astype(F32) * w_ref[j, cols].astype(F32)
+        acc = acc / (1.0 + jnp.exp(-acc))  # silu (the Triton lowering has no logistic)
+        outs.append(acc.astype(dtype).astype(F32))
+        windows.append(window)
+    if barrier:  # every load of the old state before a store of the new one
+        pltriton.debug_barrier()
+    for pool_ref, window in zip(pool_refs, windows):
+        for j in range(taps - 1):
+            pool_ref[slot, j, cols] = window[j + 1].astype(pool_ref.dtype)
+    return outs
+
+
 def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value_dim, heads, offsets, eps,
-                  norm_act):
+                  norm_act, barrier=False):
     """One program per (head, row), the head's whole [K, V] state. GDN: refs = (q|k|v buffer, projections buffer
     (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (q, k, v [B, H D], projections buffer
     (f_a, g_a, beta), f_b and g_b weights, A_log, dt_bias, norm weight, pool in, y, pool): each program computes its
@@ -243,8 +272,15 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
         g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(a.astype(F32) + dtb_ref[head].astype(F32))
         decay = jnp.exp(g)
     else:
-        q_ref, k_ref, v_ref, proj_ref, fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
-        q, k, v = q_ref[row, heads_v], k_ref[row, heads_v], v_ref[row, heads_v]
+        if mixer == "kda":
+            q_ref, k_ref, v_ref, proj_ref, fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
+            q, k, v = q_ref[row, heads_v], k_ref[row, heads_v], v_ref[row, heads_v]
+        else:  # "kda_conv": the three convs first, on this head's channels
+            proj_ref, conv_refs = refs[0], refs[1:10]
+            fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref = refs[10:17]
+            conv_out_refs, state_ref = refs[17:20], refs[20]
+            q, k, v = _head_convs(proj_ref, conv_refs[0:3], conv_refs[3:6], conv_out_refs, row, slot, fresh, head,
+                                  value_dim, barrier=barrier)
         rank = pl.ds(0, fb_ref.shape[1])
 
         def low_rank(w_ref, offset):
@@ -268,19 +304,25 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
 
 
 def _gated_call(mixer, inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, rep, key_dim, value_dim,
-                offsets, eps, norm_act, dtype, num_warps, interpret):
+                offsets, eps, norm_act, dtype, num_warps, interpret, conv_pools=()):
+    """``conv_pools`` (KDA with its convs): the conv pools among ``inputs``' last three, updated in place too;
+    their outputs come between y and the state pool."""
     heads = A_log.shape[0]
     batch = slots.shape[0]
     kernel = functools.partial(_gated_kernel, mixer=mixer, rep=rep, scale=key_dim**-0.5, key_dim=key_dim,
-                               value_dim=value_dim, heads=heads, offsets=offsets, eps=eps, norm_act=norm_act)
+                               value_dim=value_dim, heads=heads, offsets=offsets, eps=eps, norm_act=norm_act,
+                               barrier=not interpret)
     args = (slots.astype(jnp.int32), fresh.astype(jnp.int32), *inputs, A_log, dt_bias, norm_weight, state_pool)
+    first_pool = 2 + len(inputs) - len(conv_pools) - 2  # the conv pools come before f_b and g_b
+    aliases = {first_pool + i: 1 + i for i in range(len(conv_pools))}
     return pl.pallas_call(
         kernel,
         name=f"{mixer}_decode_gated",
         grid=(heads, batch),  # a row's heads side by side, as ``launch_grid``'s slabs
         out_shape=(jax.ShapeDtypeStruct((batch, heads, value_dim), dtype),
+                   *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in conv_pools),
                    jax.ShapeDtypeStruct(state_pool.shape, F32)),
-        input_output_aliases={len(args) - 1: 1},
+        input_output_aliases={**aliases, len(args) - 1: 1 + len(conv_pools)},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(*args)
@@ -335,6 +377,40 @@ def kda_decode_gated(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm
                        norm_act=norm_activation, dtype=v.dtype, num_warps=num_warps, interpret=interpret)
 
 
+@functools.partial(jax.jit, static_argnames=_KDA_STATIC + ("num_warps", "interpret"),
+                   donate_argnames=("conv_pools", "state_pool"))
+def kda_decode_conv_gated(proj, conv_weights, conv_biases, conv_pools, f_b_weight, g_b_weight, A_log, dt_bias,
+                          norm_weight, state_pool, slots, fresh, *, f_a_offset, g_a_offset, beta_offset, eps,
+                          norm_activation, num_warps=4, interpret=False):
+    """The kernel of ``apriel2_jax.ops.delta_rule.kda_decode_conv_gated_slots`` (same signature): the gated update
+    with the three convs on each program's head."""
+    heads = A_log.shape[0]
+    size = conv_weights[0].shape[0]
+    reason = kda_conv_gated_unsupported(proj, conv_weights, conv_pools, f_b_weight.shape[1], heads, norm_activation)
+    if reason is not None:
+        raise ValueError(f"kda_decode_conv_gated: {reason}")
+    biases = tuple(jnp.zeros((size,), F32) if b is None else b for b in conv_biases)
+    inputs = (proj, *(w.T for w in conv_weights), *biases, *conv_pools, f_b_weight, g_b_weight)
+    y, *pools, state_pool = _gated_call(
+        "kda_conv", inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, rep=1, key_dim=size // heads,
+        value_dim=size // heads, offsets={"f_a": f_a_offset, "g_a": g_a_offset, "beta": beta_offset}, eps=eps,
+        norm_act=norm_activation, dtype=proj.dtype, num_warps=num_warps, interpret=interpret, conv_pools=conv_pools)
+    return y, tuple(pools), state_pool
+
+
+def kda_conv_gated_unsupported(proj, conv_weights, conv_pools, rank: int, heads: int, norm_act: str) -> str | None:
+    """``kda_gated_unsupported`` plus the convs' shapes: three [H D, Kc] weights with [P, Kc-1, H D] pools, their
+    inputs side by side at the start of the projections buffer."""
+    size, taps = conv_weights[0].shape
+    if any(w.shape != (size, taps) for w in conv_weights) or taps < 2:
+        return f"the three conv weights must be [H D, Kc >= 2] alike (got {[list(w.shape) for w in conv_weights]})"
+    if any(p.shape[1:] != (taps - 1, size) for p in conv_pools):
+        return f"conv pools must be [P, {taps - 1}, {size}] (got {[list(p.shape) for p in conv_pools]})"
+    if proj.ndim != 2 or proj.shape[1] < 3 * size or size % heads:
+        return f"q, k and v must be the first 3 x {size} columns of a [B, *] buffer (got {list(proj.shape)})"
+    return kda_gated_unsupported(size // heads, rank, norm_act)
+
+
 def kda_gated_unsupported(dim: int, rank: int, norm_act: str) -> str | None:
     """``gated_unsupported`` for KDA, whose low-rank gates' inner width is loaded whole too."""
     if not _is_power_of_two(rank):
@@ -368,3 +444,19 @@ def kda_decode_gated_slots(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias
     if kda_gated_unsupported(dim, f_b_weight.shape[1], norm_activation) is not None:
         return ops.kda_decode_gated_slots(*args, **kwargs)
     return kda_decode_gated(*args, **kwargs)
+
+
+def kda_decode_conv_gated_slots(proj, conv_weights, conv_biases, conv_pools, f_b_weight, g_b_weight, A_log, dt_bias,
+                                norm_weight, state_pool, slots, fresh, *, f_a_offset, g_a_offset, beta_offset, eps,
+                                norm_activation):
+    """Dispatch entry for "kda_decode_conv_gated_slots"."""
+    from apriel2_jax.ops import delta_rule as ops
+
+    args = (proj, tuple(conv_weights), tuple(conv_biases), tuple(conv_pools), f_b_weight, g_b_weight, A_log, dt_bias,
+            norm_weight, state_pool, slots, fresh)
+    kwargs = dict(f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=float(eps),
+                  norm_activation=norm_activation)
+    if kda_conv_gated_unsupported(proj, conv_weights, conv_pools, f_b_weight.shape[1], A_log.shape[0],
+                                  norm_activation) is not None:
+        return ops.kda_decode_conv_gated_slots(*args, **kwargs)
+    return kda_decode_conv_gated(*args, **kwargs)

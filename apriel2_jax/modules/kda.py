@@ -139,8 +139,8 @@ class KimiDeltaAttention(nnx.Module):
     def _decode(self, proj: jax.Array, batch, pool: dict):
         """One token per row from the input projections' outputs side by side, proj [S, q|k|v|f_a|g_a|beta]
         (``_input_projections``): the gated norm's output [S, size] (the output projection's input) and the
-        updated pool. The convs and the update read their inputs in place in ``proj`` (slices handed to a kernel
-        would be copies)."""
+        updated pool. The convs and the update (one kernel on the GPU) read their inputs in place in ``proj``
+        (slices handed to a kernel would be copies)."""
         cfg = self.cfg
         size, dim = cfg.projection_size, cfg.head_dim
         f_a_offset, g_a_offset, beta_offset = 3 * size, 3 * size + dim, 3 * size + 2 * dim
@@ -158,19 +158,15 @@ class KimiDeltaAttention(nnx.Module):
             convs = dict(zip(("conv_q", "conv_k", "conv_v"), conv_pools))
             y = self.norm(o, gate.reshape(shape))
         else:
-            convs, qkv = {}, []
-            for i, (name, conv) in enumerate((("q", self.q_conv), ("k", self.k_conv), ("v", self.v_conv))):
-                out, convs[f"conv_{name}"] = op("causal_conv1d_decode_slots")(
-                    proj, conv.taps, conv.bias_or_none, pool[f"conv_{name}"], batch.slots, batch.fresh,
-                    x_offset=i * size,
-                )
-                qkv.append(out)
-            y, ssm = op("kda_decode_gated_slots")(
-                *qkv, proj, self.f_b_proj.weight[...], self.g_b_proj.weight[...], self.A_log[...],
-                self.dt_bias[...], self.norm.weight[...], pool["ssm"], batch.slots, batch.fresh,
+            conv_layers = (self.q_conv, self.k_conv, self.v_conv)
+            y, conv_pools, ssm = op("kda_decode_conv_gated_slots")(
+                proj, tuple(c.taps for c in conv_layers), tuple(c.bias_or_none for c in conv_layers),
+                tuple(pool[f"conv_{n}"] for n in "qkv"), self.f_b_proj.weight[...], self.g_b_proj.weight[...],
+                self.A_log[...], self.dt_bias[...], self.norm.weight[...], pool["ssm"], batch.slots, batch.fresh,
                 f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=self.norm.eps,
                 norm_activation=self.norm.activation,
             )
+            convs = {f"conv_{n}": p for n, p in zip("qkv", conv_pools)}
         return y.reshape(proj.shape[0], size), dict(convs, ssm=ssm)
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):

@@ -332,6 +332,42 @@ def kda_decode_gated_slots(
     return gated_rms_norm(o, gate, norm_weight, eps, norm_activation), state_pool
 
 
+
+def kda_decode_conv_gated_slots(
+    proj: jax.Array,
+    conv_weights: tuple[jax.Array, jax.Array, jax.Array],
+    conv_biases: tuple[jax.Array | None, jax.Array | None, jax.Array | None],
+    conv_pools: tuple[jax.Array, jax.Array, jax.Array],
+    f_b_weight: jax.Array,
+    g_b_weight: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    norm_weight: jax.Array,
+    state_pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    *,
+    f_a_offset: int,
+    g_a_offset: int,
+    beta_offset: int,
+    eps: float,
+    norm_activation: str,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """KDA's whole decode step from its input projections' output to its output norm: the three short convs
+    (silu) of q, k and v, read in place at columns 0, H D and 2 H D of ``proj`` (``causal_conv1d_decode_slots``),
+    then ``kda_decode_gated_slots``. conv_weights: [H D, Kc] each; conv_biases: [H D] or None; conv_pools:
+    [P, Kc-1, H D] each. One kernel runs it all: each (head, row) owns its head's conv channels as it owns its
+    state. Returns the normed output [B, H, D], the three conv pools and the state pool."""
+    size = conv_weights[0].shape[0]
+    convs = [causal_conv1d_decode_slots(proj, w, b, pool, slots, fresh, x_offset=i * size)
+             for i, (w, b, pool) in enumerate(zip(conv_weights, conv_biases, conv_pools))]
+    y, state_pool = kda_decode_gated_slots(
+        *(c[0] for c in convs), proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+        f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=eps, norm_activation=norm_activation,
+    )
+    return y, tuple(c[1] for c in convs), state_pool
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill over a flat token buffer against a state-slot pool (the engine's layout): the oracle of
 # pallas_kernels.delta_rule_prefill

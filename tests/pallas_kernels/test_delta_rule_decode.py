@@ -226,3 +226,67 @@ def test_gated_kernels_cross_lower_for_cuda():
            S((size, dim), bf), tail[0], S((size,), f32), *tail[1:])
     _assert_lowers_for_cuda(kda_decode_gated, kda, f_a_offset=3 * size, g_a_offset=3 * size + dim,
                             beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid")
+
+
+def _conv_gated_inputs(seed, bias, batch=3, heads=4, dim=16, taps=4, pool=7):
+    """KDA's whole decode inputs as the module hands them over: the six projections side by side (q, k, v first),
+    the three convs with their pools (one of them fp32), the gated update's weights."""
+    x, kw = _gated_inputs(seed, kda=True, batch=batch, heads=heads, dim=dim, pool=pool)
+    rng = np.random.default_rng(seed + 1)
+    size, rank = heads * dim, x["f_b_weight"].shape[1]
+    proj = jnp.asarray(rng.standard_normal((batch, 3 * size + 2 * rank + heads)), jnp.bfloat16)
+    for name in "qkv":
+        del x[name]
+    x.update(
+        proj=proj,
+        conv_weights=tuple(jnp.asarray(rng.standard_normal((size, taps)) * 0.5, jnp.bfloat16) for _ in range(3)),
+        conv_biases=tuple(jnp.asarray(rng.standard_normal(size), jnp.bfloat16) if bias else None for _ in range(3)),
+        conv_pools=tuple(jnp.asarray(rng.standard_normal((pool, taps - 1, size)), dt)
+                         for dt in (jnp.bfloat16, jnp.bfloat16, jnp.float32)),
+    )
+    return x, dict(kw, f_a_offset=3 * size, g_a_offset=3 * size + rank, beta_offset=3 * size + 2 * rank)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kda_conv_gated_kernel_matches_the_op(bias):
+    """KDA's convs, gates, update and output norm in one kernel, against the jnp op (the chain of the three conv
+    ops and ``kda_decode_gated_slots`` the module ran before); only the rows' slots change."""
+    from apriel2_jax.ops.conv import causal_conv1d_decode_slots
+    from apriel2_jax.ops.delta_rule import kda_decode_conv_gated_slots, kda_decode_gated_slots
+    from pallas_kernels.delta_rule_decode import kda_decode_conv_gated
+
+    x, kw = _conv_gated_inputs(6, bias)
+    y_ref, pools_ref, state_ref = kda_decode_conv_gated_slots(**x, **kw)
+    convs = [causal_conv1d_decode_slots(x["proj"], w, b, p, x["slots"], x["fresh"], x_offset=i * 64)
+             for i, (w, b, p) in enumerate(zip(x["conv_weights"], x["conv_biases"], x["conv_pools"]))]
+    rest = {n: x[n] for n in ("proj", "f_b_weight", "g_b_weight", "A_log", "dt_bias", "norm_weight", "state_pool",
+                              "slots", "fresh")}
+    y_chain, state_chain = kda_decode_gated_slots(*(c[0] for c in convs), **rest, **kw)
+    np.testing.assert_array_equal(np.asarray(y_ref, np.float32), np.asarray(y_chain, np.float32))
+    np.testing.assert_array_equal(np.asarray(state_ref), np.asarray(state_chain))
+
+    copies = dict(x, state_pool=x["state_pool"].copy(), conv_pools=tuple(p.copy() for p in x["conv_pools"]))
+    y, pools, state = kda_decode_conv_gated(**copies, **kw, interpret=True)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    # the convs' bf16 outputs may round one ulp apart (another order of the taps' sum), hence the state's bound
+    assert _rel(y, y_ref) <= 2e-2 and _rel(state, state_ref) <= 3e-3
+    for new, ref, old in zip(pools, pools_ref, x["conv_pools"]):
+        assert new.dtype == old.dtype
+        np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(ref, np.float32))
+    untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(state)[untouched], np.asarray(x["state_pool"])[untouched])
+
+
+def test_kda_conv_gated_kernel_cross_lowers_for_cuda():
+    """The 0.5B geometry's KDA, 32 rows: 14 heads of 64, four taps, low-rank gates of width 64, bf16."""
+    from pallas_kernels.delta_rule_decode import kda_decode_conv_gated
+
+    S = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    batch, heads, dim, pool = 32, 14, 64, 33
+    size = heads * dim
+    args = (S((batch, 3 * size + 2 * dim + heads), bf), (S((size, 4), bf),) * 3, (None,) * 3,
+            (S((pool, 3, size), bf),) * 3, S((size, dim), bf), S((size, dim), bf), S((heads,), f32), S((size,), f32),
+            S((dim,), bf), S((pool, heads, dim, dim), f32), S((batch,), jnp.int32), S((batch,), jnp.bool_))
+    _assert_lowers_for_cuda(kda_decode_conv_gated, args, f_a_offset=3 * size, g_a_offset=3 * size + dim,
+                            beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid")
