@@ -41,6 +41,7 @@ _REFERENCE: dict[str, Callable] = {
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,
     "kda_decode_fused_slots": delta_rule.kda_decode_fused_slots,
     "norm_projections": decode_fused.norm_projections,
+    "norm_projections_conv": decode_fused.norm_projections_conv,
     "norm_gated_mlp": decode_fused.norm_gated_mlp,
     "matmul_add": decode_fused.matmul_add,
     "gated_mlp_residual": decode_fused.gated_mlp_residual,

@@ -47,6 +47,8 @@ def register_all() -> None:
     # residual add after them (``decode_gemv``); each entry runs the jnp chain above its row limit
     # (``decode_gemv.KERNEL_ROWS``), where XLA's tensor-core GEMMs stream the weights faster.
     dispatch.register("norm_projections", "gpu", decode_gemv.norm_projections)
+    # GDN's conv on its q|k|v tiles of the projections kernel (a depthwise conv's channel needs only its feature)
+    dispatch.register("norm_projections_conv", "gpu", decode_gemv.norm_projections_conv)
     dispatch.register("norm_gated_mlp", "gpu", decode_gemv.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,

@@ -109,7 +109,7 @@ def _varlen_kernel(
 
 
 def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *, taps, bc, silu,
-                   barrier, x_offset):
+                   barrier, x_offset, over_input):
     del pool_in_ref
     row, cb = pl.program_id(0), pl.program_id(1)
     chans = pl.ds(cb * bc, bc)
@@ -126,9 +126,12 @@ def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref
         acc = acc + window[j].astype(F32) * w_ref[j, chans].astype(F32)
     if silu:
         acc = _silu(acc)
-    y_ref[row, chans] = acc.astype(y_ref.dtype)
-    if barrier:
+    if not over_input:
+        y_ref[row, chans] = acc.astype(y_ref.dtype)
+    if barrier:  # every load (of the old state, of x where y overwrites it) before a store
         pltriton.debug_barrier()
+    if over_input:
+        y_ref[row, pl.ds(x_offset + cb * bc, bc)] = acc.astype(y_ref.dtype)
     for i in range(taps - 1):
         pool_ref[slot, i, chans] = window[i + 1].astype(pool_ref.dtype)
 
@@ -184,28 +187,30 @@ def causal_conv1d_varlen(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("activation", "x_offset", "block_c", "num_warps", "num_stages", "interpret"),
+    jax.jit, static_argnames=("activation", "x_offset", "over_input", "block_c", "num_warps", "num_stages",
+                              "interpret"),
     donate_argnames=("conv_pool",),
 )
 def causal_conv1d_decode(
-    x, weight, bias, conv_pool, slots, fresh, activation="silu", *, x_offset=0, block_c=256, num_warps=2,
-    num_stages=1, interpret=False,
+    x, weight, bias, conv_pool, slots, fresh, activation="silu", *, x_offset=0, over_input=False, block_c=256,
+    num_warps=2, num_stages=1, interpret=False,
 ):
     """The kernel with the signature of ``ops.conv.causal_conv1d_decode_slots``: x [S, C] (or wider, the input at
-    columns [x_offset, x_offset + C), read in place), one token per row."""
+    columns [x_offset, x_offset + C), read in place), one token per row. ``over_input``: y is x's whole buffer with
+    the conv's output over its input columns (the buffer aliased, so XLA copies x only where it is still read)."""
     rows, channels = x.shape[0], weight.shape[0]
     if x.ndim != 2 or not 0 <= x_offset <= x.shape[1] - channels:
         raise ValueError(f"conv input must be [S, >= {x_offset} + {channels}], got {list(x.shape)}")
     block_c = min(block_c, channels)
     _check(jax.ShapeDtypeStruct((rows, channels), x.dtype), weight, conv_pool, activation, block_c)
     kernel = functools.partial(_decode_kernel, taps=weight.shape[-1], bc=block_c, silu=activation == "silu",
-                               barrier=not interpret, x_offset=x_offset)
+                               barrier=not interpret, x_offset=x_offset, over_input=over_input)
     return pl.pallas_call(
         kernel,
         grid=(rows, channels // block_c),
-        out_shape=(jax.ShapeDtypeStruct((rows, channels), x.dtype),
+        out_shape=(jax.ShapeDtypeStruct(x.shape if over_input else (rows, channels), x.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
-        input_output_aliases={5: 1},
+        input_output_aliases={2: 0, 5: 1} if over_input else {5: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(slots.astype(jnp.int32), fresh.astype(jnp.int32), x, weight.T, _bias(bias, channels), conv_pool)
@@ -254,4 +259,18 @@ def decode_slots(x, weight, bias, conv_pool, slots, fresh, activation="silu", *,
             or not supported(jax.ShapeDtypeStruct((x.shape[0], channels), x.dtype), weight, conv_pool, activation):
         return causal_conv1d_decode_slots(x, weight, bias, conv_pool, slots, fresh, activation, x_offset=x_offset)
     return causal_conv1d_decode(x, weight, bias, conv_pool, slots, fresh, activation, x_offset=x_offset,
+                                block_c=_block_c(channels, 256))
+
+
+def decode_slots_over_input(x, weight, bias, conv_pool, slots, fresh, activation="silu"):
+    """The conv of x's first C columns (C the weight's channels) written over them: [S, >= C] -> x's shape, and the
+    pool. The kernel where it takes the shapes, else the jnp op and a concatenation."""
+    from apriel2_jax.ops.conv import causal_conv1d_decode_slots
+
+    channels = weight.shape[0]
+    if x.ndim != 2 or x.shape[1] < channels \
+            or not supported(jax.ShapeDtypeStruct((x.shape[0], channels), x.dtype), weight, conv_pool, activation):
+        y, conv_pool = causal_conv1d_decode_slots(x, weight, bias, conv_pool, slots, fresh, activation)
+        return jnp.concatenate([y, x[:, channels:]], axis=-1), conv_pool
+    return causal_conv1d_decode(x, weight, bias, conv_pool, slots, fresh, activation, over_input=True,
                                 block_c=_block_c(channels, 256))

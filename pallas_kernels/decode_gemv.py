@@ -275,21 +275,74 @@ def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
 # ---------------------------------------------------------------------------------------- norm_projections
 
 
-def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, blocks):
-    *w_refs, o_ref = refs
+def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, blocks, conv_channels=0,
+                             barrier=False):
+    """``conv_channels`` > 0: refs also hold the conv's (slots, fresh, weight [Kc, C], bias, pool in) after the
+    weights and its pool out after the output, and the first projection's first C features leave through the conv
+    (``_conv_epilogue``)."""
+    w_refs, o_ref = refs[: len(widths)], refs[len(widths) + (5 if conv_channels else 0)]
+    conv_refs = (*refs[len(widths) : len(widths) + 4], refs[-1]) if conv_channels else None
     program = pl.program_id(0)
-    start, offset = 0, 0
-    for w_ref, width, block_n in zip(w_refs, widths, blocks):
-        tiles = width // block_n
+    # (projection, its first tile here, tiles, whether they go through the conv), one program per tile
+    segments = []
+    for j, (width, block_n) in enumerate(zip(widths, blocks)):
+        conv_tiles = conv_channels // block_n if j == 0 else 0
+        if conv_tiles:
+            segments.append((j, 0, conv_tiles, True))
+        if width // block_n > conv_tiles:
+            segments.append((j, conv_tiles, width // block_n - conv_tiles, False))
+    offsets = [sum(widths[:j]) for j in range(len(widths))]
+    start = 0
+    for j, first, tiles, conv in segments:
+        block_n = blocks[j]
 
         @pl.when((program >= start) & (program < start + tiles))
-        def _(w_ref=w_ref, tile=program - start, offset=offset, width=width, block_n=block_n):
-            accs = _gemv(x_ref, [(w_ref, pl.ds(tile * block_n, block_n))], rows=rows, k_dim=k_dim, chunk=chunk,
-                         depth=depth, norm=(eps, nw_ref))
+        def _(j=j, tile=program - start + first, block_n=block_n, conv=conv):
+            cols = pl.ds(tile * block_n, block_n)
+            windows = _conv_windows(conv_refs, cols, rows, o_ref.dtype) if conv else None  # loads in flight with the weights'
+            accs = _gemv(x_ref, [(w_refs[j], cols)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth,
+                         norm=(eps, nw_ref))
             for r in range(rows):
-                _store(o_ref, r, tile, accs[r][0], n_dim=width, block_n=block_n, offset=offset)
+                out = accs[r][0]
+                if conv:
+                    out = _conv_epilogue(conv_refs, cols, windows[r], out.astype(o_ref.dtype))
+                _store(o_ref, r, tile, out, n_dim=widths[j], block_n=block_n, offset=offsets[j])
+            if conv:
+                if barrier:  # every load of the old conv state before a store of the new one
+                    pltriton.debug_barrier()
+                pool_ref = conv_refs[-1]
+                for r in range(rows):
+                    slot = conv_refs[0][r]
+                    for i in range(len(windows[r])):
+                        new = windows[r][i + 1] if i + 1 < len(windows[r]) else accs[r][0].astype(o_ref.dtype)
+                        pool_ref[slot, i, cols] = new.astype(pool_ref.dtype)
 
-        start, offset = start + tiles, offset + width
+        start += tiles
+
+
+def _conv_windows(conv_refs, cols, rows, dtype):
+    """Each row's Kc-1 previous conv inputs at ``cols`` (zeros for a fresh row), in the projections' dtype."""
+    slots_ref, fresh_ref, w_ref, _, pool_ref = conv_refs
+    windows = []
+    for r in range(rows):
+        slot, fresh = slots_ref[r], fresh_ref[r] != 0
+        window = []
+        for i in range(w_ref.shape[0] - 1):
+            s = pool_ref[slot, i, cols].astype(dtype)
+            window.append(jnp.where(fresh, jnp.zeros_like(s), s))
+        windows.append(window)
+    return windows
+
+
+def _conv_epilogue(conv_refs, cols, window, x):
+    """silu(bias + sum_j w[j] window'[j]) over ``window' = window + [x]``, x the projection rounded to the dtype:
+    ``ops.conv.causal_conv1d_step`` on this tile's channels."""
+    _, _, w_ref, b_ref, _ = conv_refs
+    taps = [*window, x]
+    acc = b_ref[cols].astype(F32)
+    for j, value in enumerate(taps):
+        acc = acc + value.astype(F32) * w_ref[j, cols].astype(F32)
+    return acc / (1.0 + jnp.exp(-acc))  # silu (the Triton lowering has no logistic)
 
 
 def _projection_tiles(widths) -> tuple[int, ...]:
@@ -328,3 +381,67 @@ def norm_projections(x, norm_weight, eps, weights):
     if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0]):
         return reference.norm_projections(x, norm_weight, eps, weights)
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))
+
+
+# ----------------------------------------------------------------------------------- norm_projections_conv
+
+
+def norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool) -> str | None:
+    reason = norm_projections_unsupported(x, norm_weight, eps, weights)
+    if reason is not None:
+        return reason
+    channels, taps = conv_weight.shape
+    if taps < 2 or conv_pool.shape[1:] != (taps - 1, channels):
+        return f"conv weight [C, Kc >= 2] and pool [P, Kc-1, C] disagree: {conv_weight.shape}, {conv_pool.shape}"
+    if conv_bias is not None and conv_bias.shape != (channels,):
+        return f"conv bias must be [{channels}], got {conv_bias.shape}"
+    block = _projection_tiles((weights[0].shape[0],))[0]
+    if channels > weights[0].shape[0] or channels % block:
+        return (f"the conv's {channels} channels must be whole tiles ({block} features) of the first projection's "
+                f"{weights[0].shape[0]}")
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "chunk", "depth", "num_warps", "interpret"),
+                   donate_argnames=("conv_pool",))
+def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh, *,
+                                 chunk: int | None = None, depth: int = 8, num_warps: int = 4,
+                                 interpret: bool = False):
+    """``ops.decode_fused.norm_projections_conv`` in one kernel, S <= MAX_ROWS: the programs of the conv's channels
+    run the conv (silu) on their projected tile and update their channels of the rows' pool slots in place."""
+    reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
+    if reason is not None:
+        raise ValueError(f"norm_projections_conv: {reason}")
+    widths = tuple(w.shape[0] for w in weights)
+    blocks = _projection_tiles(widths)
+    channels = conv_weight.shape[0]
+    kernel = functools.partial(_norm_projections_kernel, eps=eps, rows=x.shape[0], k_dim=x.shape[1],
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, blocks=blocks,
+                               conv_channels=channels, barrier=not interpret)
+    bias = jnp.zeros((channels,), F32) if conv_bias is None else conv_bias
+    inputs = (x, norm_weight, *weights, slots.astype(jnp.int32), fresh.astype(jnp.int32), conv_weight.T, bias,
+              conv_pool)
+    return pl.pallas_call(
+        kernel,
+        grid=(sum(w // b for w, b in zip(widths, blocks)),),
+        out_shape=(jax.ShapeDtypeStruct((x.shape[0], sum(widths)), x.dtype),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
+        input_output_aliases={len(inputs) - 1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"gemv_norm_projections_conv_k{x.shape[1]}",
+    )(*inputs)
+
+
+def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh):
+    """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
+    above, XLA's projections and the conv kernel writing its output over its input columns (no concatenation)."""
+    from . import causal_conv1d
+
+    weights = tuple(weights)
+    reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
+    if _takes("norm_projections", reason, x.shape[0]):
+        return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
+                                            slots, fresh)
+    proj = reference.norm_projections(x, norm_weight, eps, weights)
+    return causal_conv1d.decode_slots_over_input(proj, conv_weight, conv_bias, conv_pool, slots, fresh)

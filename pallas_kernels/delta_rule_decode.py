@@ -348,9 +348,10 @@ def gated_unsupported(key_dim: int, value_dim: int, norm_act: str) -> str | None
 def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads, key_dim,
                      z_offset, ba_offset, eps, num_warps=4, interpret=False):
     """The kernel of ``apriel2_jax.ops.delta_rule.gdn_decode_gated_slots`` (same signature)."""
-    heads = A_log.shape[0]
-    value_dim = (mixed.shape[-1] - 2 * key_heads * key_dim) // heads
+    heads, value_dim = A_log.shape[0], norm_weight.shape[0]
     reason = gated_unsupported(key_dim, value_dim, "silu")
+    if reason is None and (mixed.ndim != 2 or mixed.shape[1] < 2 * key_heads * key_dim + heads * value_dim):
+        reason = f"q|k|v must be the first columns of a [B, *] buffer, got {list(mixed.shape)}"
     if reason is not None:
         raise ValueError(f"gdn_decode_gated: {reason}")
     return _gated_call("gdn", (mixed, proj), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
@@ -423,8 +424,7 @@ def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool,
     """Dispatch entry for "gdn_decode_gated_slots": the kernel where it takes the geometry, else the jnp op."""
     from apriel2_jax.ops import delta_rule as ops
 
-    heads = A_log.shape[0]
-    value_dim = (mixed.shape[-1] - 2 * key_heads * key_dim) // heads
+    value_dim = norm_weight.shape[0]
     kwargs = dict(key_heads=key_heads, key_dim=key_dim, z_offset=z_offset, ba_offset=ba_offset, eps=float(eps))
     if gated_unsupported(key_dim, value_dim, "silu") is not None:
         return ops.gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,

@@ -98,10 +98,10 @@ class GatedDeltaNet(nnx.Module):
         return self.out_proj(y)[:, None], pool
 
     def fused_decode(self, norm) -> Callable | None:
-        """The fused input norm + input projections (``ops.decode_fused.norm_projections``: q|k|v|z and b|a side
-        by side), or None where the chain must run unfused (no kernel on this backend, a LayerNorm,
-        biases or a tensor-parallel sum in a projection)."""
-        fused = kernel("norm_projections")
+        """The fused input norm + input projections + conv (``ops.decode_fused.norm_projections_conv``: q|k|v|z
+        and b|a side by side, q|k|v through the conv), or None where the chain must run unfused (no kernel on this
+        backend, a LayerNorm, biases or a tensor-parallel sum in a projection)."""
+        fused = kernel("norm_projections_conv")
         if fused is None or not isinstance(norm, RMSNorm):
             return None
         if any(p.bias is not None or p.reduce_axis is not None for p in (self.in_proj_qkvz, self.in_proj_ba)):
@@ -109,12 +109,15 @@ class GatedDeltaNet(nnx.Module):
         return fused
 
     def paged_decode_residual(self, fused, x: jax.Array, norm: RMSNorm, batch, pool: dict):
-        """Engine decode from the residual stream ``x`` [S, 1, D]: the input norm and both input projections in
-        one kernel, the conv and state update, then the output projection added to ``x``. Returns the new
-        residual stream and the pool."""
+        """Engine decode from the residual stream ``x`` [S, 1, D]: the input norm, both input projections and the
+        conv in one kernel (at a few rows), the gated state update, then the output projection added to ``x``.
+        Returns the new residual stream and the pool."""
         weights = (self.in_proj_qkvz.weight[...], self.in_proj_ba.weight[...])
-        y, pool = self._decode(fused(x[:, 0], norm.weight[...], norm.eps, weights), batch, pool)
-        return residual_projection(self.out_proj, y, x), pool
+        conv = self.convolution
+        proj, conv_pool = fused(x[:, 0], norm.weight[...], norm.eps, weights, conv.taps, conv.bias_or_none,
+                                pool["conv"], batch.slots, batch.fresh)
+        y, ssm = self._update(proj, proj, batch, pool["ssm"])  # the conv wrote q|k|v over their projections
+        return residual_projection(self.out_proj, y, x), {"conv": conv_pool, "ssm": ssm}
 
     def _decode(self, proj: jax.Array, batch, pool: dict):
         """One token per row from the input projections' outputs side by side, proj [S, q|k|v|z|b|a]: the gated
@@ -137,12 +140,20 @@ class GatedDeltaNet(nnx.Module):
                 proj, self.convolution.taps, self.convolution.bias_or_none, pool["conv"], batch.slots, batch.fresh,
                 x_offset=0,
             )
-            y, ssm = op("gdn_decode_gated_slots")(
-                mixed, proj, self.A_log[...], self.dt_bias[...], self.norm.weight[...], pool["ssm"], batch.slots,
-                batch.fresh, key_heads=cfg.key_heads, key_dim=cfg.key_head_dim, z_offset=cfg.conv_channels,
-                ba_offset=ba_offset, eps=self.norm.eps,
-            )
+            y, ssm = self._update(mixed, proj, batch, pool["ssm"])
         return y.reshape(rows, value_size), {"conv": conv, "ssm": ssm}
+
+    def _update(self, mixed: jax.Array, proj: jax.Array, batch, ssm: jax.Array):
+        """The gated state update and output norm from the conv's output ``mixed`` [S, q|k|v, ...] and the input
+        projections' ``proj`` [S, q|k|v|z|b|a] (z, b and a read in place): [S, H_v d_v] and the state pool."""
+        cfg = self.cfg
+        value_size = cfg.value_heads * cfg.value_head_dim
+        y, ssm = op("gdn_decode_gated_slots")(
+            mixed, proj, self.A_log[...], self.dt_bias[...], self.norm.weight[...], ssm, batch.slots, batch.fresh,
+            key_heads=cfg.key_heads, key_dim=cfg.key_head_dim, z_offset=cfg.conv_channels,
+            ba_offset=cfg.conv_channels + value_size, eps=self.norm.eps,
+        )
+        return y.reshape(proj.shape[0], value_size), ssm
 
     def paged_prefill(self, x: jax.Array, batch, pool: dict):
         """Engine prefill over padded rows [S, T]: the rows become one packed token buffer, and the varlen ops

@@ -278,12 +278,15 @@ def gdn_decode_gated_slots(
 ) -> tuple[jax.Array, jax.Array]:
     """GDN's decode step from its conv output to its output norm, as the module chains it: the gates from the raw
     b, a projections (``beta = sigmoid(b)`` in the model dtype, ``g = gdn_gate(a)``), the update over the packed
-    q|k|v (``delta_rule_decode_slots_packed``), then ``gated_rms_norm(o, z)`` (silu). mixed: [B, 2 H_k K + H V];
+    q|k|v (``delta_rule_decode_slots_packed``), then ``gated_rms_norm(o, z)`` (silu). mixed: [B, 2 H_k K + H V]
+    (or wider: its first columns, V being the norm weight's size; the projections buffer after the conv wrote
+    over its q|k|v);
     proj: the input projections' output [B, *] holding z [H V] at column ``z_offset`` and b, a [H each] at
     ``ba_offset`` (one kernel reads them there: slices would be copies); A_log, dt_bias: [H]; norm_weight: [V].
     Returns the normed output [B, H, V] in mixed's dtype and the pool."""
     heads = A_log.shape[0]
-    value_size = mixed.shape[-1] - 2 * key_heads * key_dim
+    value_size = heads * norm_weight.shape[0]
+    mixed = _columns(mixed, 0, 2 * key_heads * key_dim + value_size, "q|k|v")
     ba = _columns(proj, ba_offset, 2 * heads, "b|a gates")
     z = _columns(proj, z_offset, value_size, "z").reshape(-1, heads, value_size // heads)
     beta = activation("sigmoid", ba[:, :heads])

@@ -25,11 +25,11 @@ from apriel2_jax.placement import resolve_placement
 from tests.conftest import golden_cases
 from tests.helpers import golden_model
 
-FUSED = ("norm_projections", "norm_gated_mlp", "matmul_add")
+FUSED = ("norm_projections", "norm_projections_conv", "norm_gated_mlp", "matmul_add")
 
 
 class Calls(dict):
-    """Traced calls per chain, and the number of projections of each ``norm_projections`` call."""
+    """Traced calls per chain, and the number of projections of each ``norm_projections(_conv)`` call."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -43,7 +43,7 @@ def _chains_as_kernels(monkeypatch, names) -> Calls:
     def counted(name):
         def fn(*args):
             calls[name] += 1
-            if name == "norm_projections":
+            if name.startswith("norm_projections"):
                 calls.projections.append(len(args[3]))
             return getattr(decode_fused, name)(*args)
         return fn
@@ -80,7 +80,7 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
     assert fused_chains_as_kernels["norm_gated_mlp"] > 0
     assert fused_chains_as_kernels["matmul_add"] >= fused_chains_as_kernels["norm_gated_mlp"]
     # Attention layers without biases took the fused norm + Q/K/V chain (those with biases keep the unfused one),
-    # GDN and KDA layers their fused norm + input projections; Mamba layers never.
+    # GDN and KDA layers their fused norm + input projections (GDN's with its conv); Mamba layers never.
     # The chain's projection count names the mixer: Q/K/V 3, GDN's q|k|v|z and b|a 2, KDA's six.
     expected = {
         {Attention: 3, GatedDeltaNet: 2, KimiDeltaAttention: 6}[type(mixer)]
@@ -91,6 +91,11 @@ def test_engine_greedy_through_the_fused_decode_path_matches_goldens(case_name, 
         or (isinstance(mixer, Attention) and mixer.q_proj.bias is None)
     }
     assert set(fused_chains_as_kernels.projections) == expected
+    has_gdn = any(isinstance(active(block.mixer, mixer_name), GatedDeltaNet)
+                  for name in case.placements
+                  for block, mixer_name in zip(model.model.decoder.blocks,
+                                               resolve_placement(model.config, name, case.placements)))
+    assert (fused_chains_as_kernels["norm_projections_conv"] > 0) == has_gdn  # GDN's conv in its projections
 
 
 @pytest.mark.parametrize("case_name", ["hybrid_all_mixers", "supernet_swa"])  # the cases with head_dim >= 16

@@ -123,3 +123,25 @@ def test_decode_kernel_reads_its_input_in_place_at_an_offset():
     np.testing.assert_array_equal(np.asarray(new_pool, np.float32), np.asarray(pool_ref, np.float32))
     with pytest.raises(ValueError, match="conv input"):
         causal_conv1d_decode_slots(wide, w, b, pool, slots, fresh, x_offset=wide.shape[1] - x.shape[1] + 1)
+
+
+def test_decode_kernel_writes_over_its_input():
+    """over_input: the conv of a wider buffer's first C columns comes back in that buffer, the columns after them
+    untouched; the dispatch entry's fallback (the op and a concatenation) gives the same."""
+    from pallas_kernels.causal_conv1d import decode_slots_over_input
+
+    x, w, b, pool = _inputs(4, tokens=4, dtype=jnp.bfloat16)
+    slots, fresh = jnp.asarray([5, 0, 2, 7], jnp.int32), jnp.asarray([False, False, True, False])
+    tail = jnp.asarray(np.random.default_rng(4).standard_normal((4, 24)), x.dtype)
+    wide = jnp.concatenate([x, tail], axis=1)
+    y_ref, pool_ref = causal_conv1d_decode_slots(x, w, b, pool, slots, fresh)
+    y, new_pool = causal_conv1d_decode(wide, w, b, jnp.array(pool, copy=True), slots, fresh, over_input=True,
+                                       block_c=8, interpret=True)
+    assert y.shape == wide.shape and _rel(y[:, :16], y_ref) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(y[:, 16:], np.float32), np.asarray(tail, np.float32))
+    np.testing.assert_array_equal(np.asarray(new_pool, np.float32), np.asarray(pool_ref, np.float32))
+    narrow_w = w[:6]  # 6 channels: no kernel, the op's path
+    y, _ = decode_slots_over_input(wide, narrow_w, None, pool[:, :, :6], slots, fresh)
+    y_op, _ = causal_conv1d_decode_slots(wide[:, :6], narrow_w, None, pool[:, :, :6], slots, fresh)
+    np.testing.assert_array_equal(np.asarray(y[:, :6], np.float32), np.asarray(y_op, np.float32))
+    np.testing.assert_array_equal(np.asarray(y[:, 6:], np.float32), np.asarray(wide[:, 6:], np.float32))
