@@ -35,7 +35,6 @@ _REFERENCE: dict[str, Callable] = {
     "delta_rule_decode_slots": delta_rule.delta_rule_decode_slots,
     "delta_rule_decode_slots_packed": delta_rule.delta_rule_decode_slots_packed,
     "gdn_decode_gated_slots": delta_rule.gdn_decode_gated_slots,
-    "kda_decode_gated_slots": delta_rule.kda_decode_gated_slots,
     "kda_decode_conv_gated_slots": delta_rule.kda_decode_conv_gated_slots,
     "delta_rule_varlen_slots": delta_rule.delta_rule_varlen_slots,
     "gdn_decode_fused_slots": delta_rule.gdn_decode_fused_slots,

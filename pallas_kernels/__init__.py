@@ -27,9 +27,8 @@ def register_all() -> None:
     dispatch.register("delta_rule_decode_slots_packed", "gpu", delta_rule_decode.decode_slots_packed)
     # The update with its gates and output norm: each would be an XLA fusion of its own per layer.
     dispatch.register("gdn_decode_gated_slots", "gpu", delta_rule_decode.gdn_decode_gated_slots)
-    dispatch.register("kda_decode_gated_slots", "gpu", delta_rule_decode.kda_decode_gated_slots)
-    # KDA's three convs too: each (head, row) program owns its head's conv channels (GDN's key heads are shared by
-    # several value heads, whose programs would race on their q/k conv state).
+    # KDA's with its three convs: each (head, row) program owns its head's conv channels (GDN's key heads are
+    # shared by several value heads, whose programs would race on their q/k conv state).
     dispatch.register("kda_decode_conv_gated_slots", "gpu", delta_rule_decode.kda_decode_conv_gated_slots)
     # The fused decode kernels (conv + gates + update in one kernel, ``delta_rule_decode_fused``) are not
     # registered: in device time at B=256 H=32 K=V=128 on an H100 the unfused chain of dispatched kernels is

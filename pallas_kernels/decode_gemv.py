@@ -386,7 +386,10 @@ def norm_projections(x, norm_weight, eps, weights):
 # ----------------------------------------------------------------------------------- norm_projections_conv
 
 
-def norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool) -> str | None:
+def norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots=None,
+                                      fresh=None) -> str | None:
+    """Why the kernel cannot take the op's arguments (None where it can); the rows' slots and flags never stop it."""
+    del slots, fresh
     reason = norm_projections_unsupported(x, norm_weight, eps, weights)
     if reason is not None:
         return reason

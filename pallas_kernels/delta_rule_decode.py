@@ -251,10 +251,11 @@ def _head_convs(proj_ref, weight_refs, bias_refs, pool_refs, row, slot, fresh, h
 def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value_dim, heads, offsets, eps,
                   norm_act, barrier=False):
     """One program per (head, row), the head's whole [K, V] state. GDN: refs = (q|k|v buffer, projections buffer
-    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (q, k, v [B, H D], projections buffer
-    (f_a, g_a, beta), f_b and g_b weights, A_log, dt_bias, norm weight, pool in, y, pool): each program computes its
-    head's rows of the two low-rank gates (2 x [D, R] weights, from L2 after the first row), which were two XLA
-    GEMVs per layer. ``offsets`` are the static columns of the inputs read in place."""
+    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (projections buffer (q, k, v, f_a, g_a,
+    beta), the three convs' weights, biases and pools in, f_b and g_b weights, A_log, dt_bias, norm weight, pool
+    in, y, the conv pools, pool): each program runs its head's channels of the three convs (``_head_convs``) and
+    computes its head's rows of the two low-rank gates (2 x [D, R] weights, from L2 after the first row), which
+    were two XLA GEMVs per layer. ``offsets`` are the static columns of the inputs read in place."""
     head, row = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[row]
     fresh = fresh_ref[row] != 0
@@ -272,15 +273,12 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
         g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(a.astype(F32) + dtb_ref[head].astype(F32))
         decay = jnp.exp(g)
     else:
-        if mixer == "kda":
-            q_ref, k_ref, v_ref, proj_ref, fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
-            q, k, v = q_ref[row, heads_v], k_ref[row, heads_v], v_ref[row, heads_v]
-        else:  # "kda_conv": the three convs first, on this head's channels
-            proj_ref, conv_refs = refs[0], refs[1:10]
-            fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref = refs[10:17]
-            conv_out_refs, state_ref = refs[17:20], refs[20]
-            q, k, v = _head_convs(proj_ref, conv_refs[0:3], conv_refs[3:6], conv_out_refs, row, slot, fresh, head,
-                                  value_dim, barrier=barrier)
+        # the three convs first, on this head's channels
+        proj_ref, conv_refs = refs[0], refs[1:10]
+        fb_ref, gb_ref, alog_ref, dtb_ref, nw_ref, _, y_ref = refs[10:17]
+        conv_out_refs, state_ref = refs[17:20], refs[20]
+        q, k, v = _head_convs(proj_ref, conv_refs[0:3], conv_refs[3:6], conv_out_refs, row, slot, fresh, head,
+                              value_dim, barrier=barrier)
         rank = pl.ds(0, fb_ref.shape[1])
 
         def low_rank(w_ref, offset):
@@ -305,8 +303,8 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
 
 def _gated_call(mixer, inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, rep, key_dim, value_dim,
                 offsets, eps, norm_act, dtype, num_warps, interpret, conv_pools=()):
-    """``conv_pools`` (KDA with its convs): the conv pools among ``inputs``' last three, updated in place too;
-    their outputs come between y and the state pool."""
+    """``conv_pools`` (KDA): the conv pools, ``inputs``' third- to fifth-last, updated in place too; their outputs
+    come between y and the state pool."""
     heads = A_log.shape[0]
     batch = slots.shape[0]
     kernel = functools.partial(_gated_kernel, mixer=mixer, rep=rep, scale=key_dim**-0.5, key_dim=key_dim,
@@ -363,21 +361,6 @@ def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots
 _KDA_STATIC = ("f_a_offset", "g_a_offset", "beta_offset", "eps", "norm_activation")
 
 
-@functools.partial(jax.jit, static_argnames=_KDA_STATIC + ("num_warps", "interpret"), donate_argnames=("state_pool",))
-def kda_decode_gated(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *,
-                     f_a_offset, g_a_offset, beta_offset, eps, norm_activation, num_warps=4, interpret=False):
-    """The kernel of ``apriel2_jax.ops.delta_rule.kda_decode_gated_slots`` (same signature)."""
-    heads = A_log.shape[0]
-    dim = q.shape[-1] // heads
-    reason = kda_gated_unsupported(dim, f_b_weight.shape[1], norm_activation)
-    if reason is not None:
-        raise ValueError(f"kda_decode_gated: {reason}")
-    return _gated_call("kda", (q, k, v, proj, f_b_weight, g_b_weight), A_log, dt_bias, norm_weight, state_pool,
-                       slots, fresh, rep=1, key_dim=dim, value_dim=dim,
-                       offsets={"f_a": f_a_offset, "g_a": g_a_offset, "beta": beta_offset}, eps=eps,
-                       norm_act=norm_activation, dtype=v.dtype, num_warps=num_warps, interpret=interpret)
-
-
 @functools.partial(jax.jit, static_argnames=_KDA_STATIC + ("num_warps", "interpret"),
                    donate_argnames=("conv_pools", "state_pool"))
 def kda_decode_conv_gated(proj, conv_weights, conv_biases, conv_pools, f_b_weight, g_b_weight, A_log, dt_bias,
@@ -393,7 +376,7 @@ def kda_decode_conv_gated(proj, conv_weights, conv_biases, conv_pools, f_b_weigh
     biases = tuple(jnp.zeros((size,), F32) if b is None else b for b in conv_biases)
     inputs = (proj, *(w.T for w in conv_weights), *biases, *conv_pools, f_b_weight, g_b_weight)
     y, *pools, state_pool = _gated_call(
-        "kda_conv", inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, rep=1, key_dim=size // heads,
+        "kda", inputs, A_log, dt_bias, norm_weight, state_pool, slots, fresh, rep=1, key_dim=size // heads,
         value_dim=size // heads, offsets={"f_a": f_a_offset, "g_a": g_a_offset, "beta": beta_offset}, eps=eps,
         norm_act=norm_activation, dtype=proj.dtype, num_warps=num_warps, interpret=interpret, conv_pools=conv_pools)
     return y, tuple(pools), state_pool
@@ -430,20 +413,6 @@ def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool,
         return ops.gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
                                           **kwargs)
     return gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, **kwargs)
-
-
-def kda_decode_gated_slots(q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots,
-                           fresh, *, f_a_offset, g_a_offset, beta_offset, eps, norm_activation):
-    """Dispatch entry for "kda_decode_gated_slots"."""
-    from apriel2_jax.ops import delta_rule as ops
-
-    dim = q.shape[-1] // A_log.shape[0]
-    args = (q, k, v, proj, f_b_weight, g_b_weight, A_log, dt_bias, norm_weight, state_pool, slots, fresh)
-    kwargs = dict(f_a_offset=f_a_offset, g_a_offset=g_a_offset, beta_offset=beta_offset, eps=float(eps),
-                  norm_activation=norm_activation)
-    if kda_gated_unsupported(dim, f_b_weight.shape[1], norm_activation) is not None:
-        return ops.kda_decode_gated_slots(*args, **kwargs)
-    return kda_decode_gated(*args, **kwargs)
 
 
 def kda_decode_conv_gated_slots(proj, conv_weights, conv_biases, conv_pools, f_b_weight, g_b_weight, A_log, dt_bias,

@@ -335,7 +335,6 @@ def kda_decode_gated_slots(
     return gated_rms_norm(o, gate, norm_weight, eps, norm_activation), state_pool
 
 
-
 def kda_decode_conv_gated_slots(
     proj: jax.Array,
     conv_weights: tuple[jax.Array, jax.Array, jax.Array],

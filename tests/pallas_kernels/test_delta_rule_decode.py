@@ -171,18 +171,19 @@ def _gated_inputs(seed, kda, batch=3, heads=4, key_heads=2, dim=16, pool=7, dtyp
 
 @pytest.mark.parametrize("kda", [False, True])
 def test_gated_kernels_match_the_ops(kda):
-    """The update with its gates from raw projections (KDA: the low-rank gates' second projections too) and its
-    gated output norm, against the jnp op; the op against the chain of ops the module ran before (gate
-    projections, gates, update, ``gated_rms_norm``)."""
+    """The gated ops (the update with its gates from raw projections, KDA's low-rank gates' second projections
+    too, and its gated output norm) against the chain of ops the module ran before (gate projections, gates,
+    update, ``gated_rms_norm``); GDN's kernel against its op (KDA's runs its convs too:
+    ``test_kda_conv_gated_kernel_matches_the_op``)."""
     from flax import nnx
 
     from apriel2_jax.modules.layers import Linear
     from apriel2_jax.ops.delta_rule import (gdn_decode_gated_slots, gdn_gate, kda_decode_gated_slots, kda_gate)
     from apriel2_jax.ops.norms import activation, gated_rms_norm
-    from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
+    from pallas_kernels.delta_rule_decode import gdn_decode_gated
 
     x, kw = _gated_inputs(4, kda)
-    op, kernel = (kda_decode_gated_slots, kda_decode_gated) if kda else (gdn_decode_gated_slots, gdn_decode_gated)
+    op = kda_decode_gated_slots if kda else gdn_decode_gated_slots
     y_ref, pool_ref = op(**x, **kw)
     if kda:
         shape = (3, 4, 16)
@@ -202,30 +203,26 @@ def test_gated_kernels_match_the_ops(kda):
         chain = gated_rms_norm(o, x["proj"][:, 24:88].reshape(3, 4, 16), x["norm_weight"], 1e-5, "silu")
     np.testing.assert_array_equal(np.asarray(y_ref, np.float32), np.asarray(chain, np.float32))
     np.testing.assert_array_equal(np.asarray(pool_ref), np.asarray(pool))
-    y, new_pool = kernel(**dict(x, state_pool=x["state_pool"].copy()), **kw, interpret=True)
+    if kda:  # KDA's kernel runs its convs too: test_kda_conv_gated_kernel_matches_the_op
+        return
+    y, new_pool = gdn_decode_gated(**dict(x, state_pool=x["state_pool"].copy()), **kw, interpret=True)
     assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
     assert _rel(y, y_ref) <= 2e-2 and _rel(new_pool, pool_ref) <= 1e-5
     untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
     np.testing.assert_array_equal(np.asarray(new_pool)[untouched], np.asarray(x["state_pool"])[untouched])
 
 
-def test_gated_kernels_cross_lower_for_cuda():
-    """The 0.5B geometry, 32 rows: GDN (14 value heads over 2 key heads, its q|k|v|z|b|a buffer) and KDA (14
-    heads, its six projections' buffer, low-rank gates of width 64), K = V = 64, bf16."""
-    from pallas_kernels.delta_rule_decode import gdn_decode_gated, kda_decode_gated
+def test_gdn_gated_kernel_cross_lowers_for_cuda():
+    """The 0.5B geometry's GDN, 32 rows: 14 value heads over 2 key heads, its q|k|v|z|b|a buffer, K = V = 64,
+    bf16."""
+    from pallas_kernels.delta_rule_decode import gdn_decode_gated
 
     S = jax.ShapeDtypeStruct
     bf, f32 = jnp.bfloat16, jnp.float32
     batch, heads, dim, pool = 32, 14, 64, 33
-    tail = (S((heads,), f32), S((dim,), bf), S((pool, heads, dim, dim), f32), S((batch,), jnp.int32),
-            S((batch,), jnp.bool_))
-    gdn = (S((batch, 1152), bf), S((batch, 2076), bf), tail[0], S((heads,), f32), *tail[1:])
+    gdn = (S((batch, 1152), bf), S((batch, 2076), bf), S((heads,), f32), S((heads,), f32), S((dim,), bf),
+           S((pool, heads, dim, dim), f32), S((batch,), jnp.int32), S((batch,), jnp.bool_))
     _assert_lowers_for_cuda(gdn_decode_gated, gdn, key_heads=2, key_dim=dim, z_offset=1152, ba_offset=2048, eps=1e-5)
-    size = heads * dim
-    kda = (*[S((batch, size), bf)] * 3, S((batch, 3 * size + 2 * dim + heads), bf), S((size, dim), bf),
-           S((size, dim), bf), tail[0], S((size,), f32), *tail[1:])
-    _assert_lowers_for_cuda(kda_decode_gated, kda, f_a_offset=3 * size, g_a_offset=3 * size + dim,
-                            beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid")
 
 
 def _conv_gated_inputs(seed, bias, batch=3, heads=4, dim=16, taps=4, pool=7):
