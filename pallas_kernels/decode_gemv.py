@@ -299,7 +299,8 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
         @pl.when((program >= start) & (program < start + tiles))
         def _(j=j, tile=program - start + first, block_n=block_n, conv=conv):
             cols = pl.ds(tile * block_n, block_n)
-            windows = _conv_windows(conv_refs, cols, rows, o_ref.dtype) if conv else None  # loads in flight with the weights'
+            # the conv state's loads go out before the weights' and are in flight with them
+            windows = _conv_windows(conv_refs, cols, rows, o_ref.dtype) if conv else None
             accs = _gemv(x_ref, [(w_refs[j], cols)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth,
                          norm=(eps, nw_ref))
             for r in range(rows):
@@ -310,12 +311,7 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
             if conv:
                 if barrier:  # every load of the old conv state before a store of the new one
                     pltriton.debug_barrier()
-                pool_ref = conv_refs[-1]
-                for r in range(rows):
-                    slot = conv_refs[0][r]
-                    for i in range(len(windows[r])):
-                        new = windows[r][i + 1] if i + 1 < len(windows[r]) else accs[r][0].astype(o_ref.dtype)
-                        pool_ref[slot, i, cols] = new.astype(pool_ref.dtype)
+                _store_conv_state(conv_refs, cols, windows, [acc[0].astype(o_ref.dtype) for acc in accs])
 
         start += tiles
 
@@ -332,6 +328,14 @@ def _conv_windows(conv_refs, cols, rows, dtype):
             window.append(jnp.where(fresh, jnp.zeros_like(s), s))
         windows.append(window)
     return windows
+
+
+def _store_conv_state(conv_refs, cols, windows, inputs):
+    """Each row's new conv state at ``cols``: its window shifted by one, ending with this step's input."""
+    slots_ref, pool_ref = conv_refs[0], conv_refs[-1]
+    for r, (window, x) in enumerate(zip(windows, inputs)):
+        for i, value in enumerate([*window[1:], x]):
+            pool_ref[slots_ref[r], i, cols] = value.astype(pool_ref.dtype)
 
 
 def _conv_epilogue(conv_refs, cols, window, x):
