@@ -108,32 +108,47 @@ def _varlen_kernel(
         fill(start + length, hi_ref[seq])
 
 
-def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *, taps, bc, silu,
-                   barrier, x_offset, over_input):
+def previous_inputs(pool_ref, slot, fresh, cols, dtype):
+    """One decode row's window before its input: the K-1 previous inputs of channels ``cols`` in its pool slot
+    [P, K-1, C] (zeros for a fresh row), in ``dtype``. Shared by every kernel that runs a decode conv."""
+    window = []
+    for i in range(pool_ref.shape[1]):
+        s = pool_ref[slot, i, cols].astype(dtype)
+        window.append(jnp.where(fresh, jnp.zeros_like(s), s))
+    return window
+
+
+def decode_output(window, x, w_ref, b_ref, cols, silu=True):
+    """fp32 ``act(bias + sum_j w[j] [*window, x][j])`` of channels ``cols``; weights [K, C]."""
+    acc = b_ref[cols].astype(F32)
+    for j, value in enumerate([*window, x]):
+        acc = acc + value.astype(F32) * w_ref[j, cols].astype(F32)
+    return _silu(acc) if silu else acc
+
+
+def store_state(pool_ref, slot, cols, window, x):
+    """The slot's new state at ``cols``: the window shifted by one, ending with this step's input ``x``. After
+    every load of the old state (a barrier where threads could store what others still read)."""
+    for i, value in enumerate([*window[1:], x]):
+        pool_ref[slot, i, cols] = value.astype(pool_ref.dtype)
+
+
+def _decode_kernel(slots_ref, fresh_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *, bc, silu, barrier,
+                   x_offset, over_input):
     del pool_in_ref
     row, cb = pl.program_id(0), pl.program_id(1)
     chans = pl.ds(cb * bc, bc)
     slot = slots_ref[row]
-    fresh = fresh_ref[row] != 0
-    xdt = x_ref.dtype
-    window = []
-    for i in range(taps - 1):
-        s = pool_ref[slot, i, chans].astype(xdt)
-        window.append(jnp.where(fresh, jnp.zeros_like(s), s))
-    window.append(x_ref[row, pl.ds(x_offset + cb * bc, bc)])
-    acc = b_ref[chans].astype(F32)
-    for j in range(taps):
-        acc = acc + window[j].astype(F32) * w_ref[j, chans].astype(F32)
-    if silu:
-        acc = _silu(acc)
+    window = previous_inputs(pool_ref, slot, fresh_ref[row] != 0, chans, x_ref.dtype)
+    x = x_ref[row, pl.ds(x_offset + cb * bc, bc)]
+    acc = decode_output(window, x, w_ref, b_ref, chans, silu)
     if not over_input:
         y_ref[row, chans] = acc.astype(y_ref.dtype)
     if barrier:  # every load (of the old state, of x where y overwrites it) before a store
         pltriton.debug_barrier()
     if over_input:
         y_ref[row, pl.ds(x_offset + cb * bc, bc)] = acc.astype(y_ref.dtype)
-    for i in range(taps - 1):
-        pool_ref[slot, i, chans] = window[i + 1].astype(pool_ref.dtype)
+    store_state(pool_ref, slot, chans, window, x)
 
 
 def _check(x, weight, conv_pool, activation, block_c, block_t=None):
@@ -203,8 +218,8 @@ def causal_conv1d_decode(
         raise ValueError(f"conv input must be [S, >= {x_offset} + {channels}], got {list(x.shape)}")
     block_c = min(block_c, channels)
     _check(jax.ShapeDtypeStruct((rows, channels), x.dtype), weight, conv_pool, activation, block_c)
-    kernel = functools.partial(_decode_kernel, taps=weight.shape[-1], bc=block_c, silu=activation == "silu",
-                               barrier=not interpret, x_offset=x_offset, over_input=over_input)
+    kernel = functools.partial(_decode_kernel, bc=block_c, silu=activation == "silu", barrier=not interpret,
+                               x_offset=x_offset, over_input=over_input)
     return pl.pallas_call(
         kernel,
         grid=(rows, channels // block_c),

@@ -38,6 +38,8 @@ from jax.experimental.pallas import triton as pltriton
 from apriel2_jax.ops import decode_fused as reference
 from apriel2_jax.ops.norms import _ACTIVATIONS
 
+from . import causal_conv1d
+
 F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element and its accumulators
@@ -279,7 +281,7 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
                              barrier=False):
     """``conv_channels`` > 0: refs also hold the conv's (slots, fresh, weight [Kc, C], bias, pool in) after the
     weights and its pool out after the output, and the first projection's first C features leave through the conv
-    (``_conv_epilogue``)."""
+    (``causal_conv1d``'s decode step on each projected tile)."""
     w_refs, o_ref = refs[: len(widths)], refs[len(widths) + (5 if conv_channels else 0)]
     conv_refs = (*refs[len(widths) : len(widths) + 4], refs[-1]) if conv_channels else None
     program = pl.program_id(0)
@@ -299,54 +301,25 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
         @pl.when((program >= start) & (program < start + tiles))
         def _(j=j, tile=program - start + first, block_n=block_n, conv=conv):
             cols = pl.ds(tile * block_n, block_n)
-            # the conv state's loads go out before the weights' and are in flight with them
-            windows = _conv_windows(conv_refs, cols, rows, o_ref.dtype) if conv else None
+            if conv:  # the conv state's loads go out before the weights' and are in flight with them
+                slots_ref, fresh_ref, cw_ref, cb_ref, pool_ref = conv_refs
+                windows = [causal_conv1d.previous_inputs(pool_ref, slots_ref[r], fresh_ref[r] != 0, cols,
+                                                         o_ref.dtype) for r in range(rows)]
             accs = _gemv(x_ref, [(w_refs[j], cols)], rows=rows, k_dim=k_dim, chunk=chunk, depth=depth,
                          norm=(eps, nw_ref))
             for r in range(rows):
                 out = accs[r][0]
-                if conv:
-                    out = _conv_epilogue(conv_refs, cols, windows[r], out.astype(o_ref.dtype))
+                if conv:  # on the projection rounded to the dtype, as the conv kernel reads it
+                    out = causal_conv1d.decode_output(windows[r], out.astype(o_ref.dtype), cw_ref, cb_ref, cols)
                 _store(o_ref, r, tile, out, n_dim=widths[j], block_n=block_n, offset=offsets[j])
             if conv:
                 if barrier:  # every load of the old conv state before a store of the new one
                     pltriton.debug_barrier()
-                _store_conv_state(conv_refs, cols, windows, [acc[0].astype(o_ref.dtype) for acc in accs])
+                for r in range(rows):
+                    causal_conv1d.store_state(pool_ref, slots_ref[r], cols, windows[r],
+                                              accs[r][0].astype(o_ref.dtype))
 
         start += tiles
-
-
-def _conv_windows(conv_refs, cols, rows, dtype):
-    """Each row's Kc-1 previous conv inputs at ``cols`` (zeros for a fresh row), in the projections' dtype."""
-    slots_ref, fresh_ref, w_ref, _, pool_ref = conv_refs
-    windows = []
-    for r in range(rows):
-        slot, fresh = slots_ref[r], fresh_ref[r] != 0
-        window = []
-        for i in range(w_ref.shape[0] - 1):
-            s = pool_ref[slot, i, cols].astype(dtype)
-            window.append(jnp.where(fresh, jnp.zeros_like(s), s))
-        windows.append(window)
-    return windows
-
-
-def _store_conv_state(conv_refs, cols, windows, inputs):
-    """Each row's new conv state at ``cols``: its window shifted by one, ending with this step's input."""
-    slots_ref, pool_ref = conv_refs[0], conv_refs[-1]
-    for r, (window, x) in enumerate(zip(windows, inputs)):
-        for i, value in enumerate([*window[1:], x]):
-            pool_ref[slots_ref[r], i, cols] = value.astype(pool_ref.dtype)
-
-
-def _conv_epilogue(conv_refs, cols, window, x):
-    """silu(bias + sum_j w[j] window'[j]) over ``window' = window + [x]``, x the projection rounded to the dtype:
-    ``ops.conv.causal_conv1d_step`` on this tile's channels."""
-    _, _, w_ref, b_ref, _ = conv_refs
-    taps = [*window, x]
-    acc = b_ref[cols].astype(F32)
-    for j, value in enumerate(taps):
-        acc = acc + value.astype(F32) * w_ref[j, cols].astype(F32)
-    return acc / (1.0 + jnp.exp(-acc))  # silu (the Triton lowering has no logistic)
 
 
 def _projection_tiles(widths) -> tuple[int, ...]:
@@ -443,8 +416,6 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh):
     """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
     above, XLA's projections and the conv kernel writing its output over its input columns (no concatenation)."""
-    from . import causal_conv1d
-
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
     if _takes("norm_projections", reason, x.shape[0]):

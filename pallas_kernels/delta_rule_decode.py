@@ -24,6 +24,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from apriel2_jax.ops.norms import softplus
 
+from . import causal_conv1d as conv
+
 F32 = jnp.float32
 
 
@@ -226,25 +228,15 @@ def _head_convs(proj_ref, weight_refs, bias_refs, pool_refs, row, slot, fresh, h
     stores them, in fp32."""
     size = weight_refs[0].shape[1]
     cols, dtype = pl.ds(head * dim, dim), proj_ref.dtype
-    taps = weight_refs[0].shape[0]
-    windows, outs = [], []
+    windows, inputs, outs = [], [], []
     for i, (w_ref, b_ref, pool_ref) in enumerate(zip(weight_refs, bias_refs, pool_refs)):
-        window = []
-        for j in range(taps - 1):
-            s = pool_ref[slot, j, cols].astype(dtype)
-            window.append(jnp.where(fresh, jnp.zeros_like(s), s))
-        window.append(proj_ref[row, pl.ds(i * size + head * dim, dim)])
-        acc = b_ref[cols].astype(F32)
-        for j in range(taps):
-            acc = acc + window[j].astype(F32) * w_ref[j, cols].astype(F32)
-        acc = acc / (1.0 + jnp.exp(-acc))  # silu (the Triton lowering has no logistic)
-        outs.append(acc.astype(dtype).astype(F32))
-        windows.append(window)
+        windows.append(conv.previous_inputs(pool_ref, slot, fresh, cols, dtype))
+        inputs.append(proj_ref[row, pl.ds(i * size + head * dim, dim)])
+        outs.append(conv.decode_output(windows[-1], inputs[-1], w_ref, b_ref, cols).astype(dtype).astype(F32))
     if barrier:  # every load of the old state before a store of the new one
         pltriton.debug_barrier()
-    for pool_ref, window in zip(pool_refs, windows):
-        for j in range(taps - 1):
-            pool_ref[slot, j, cols] = window[j + 1].astype(pool_ref.dtype)
+    for pool_ref, window, x in zip(pool_refs, windows, inputs):
+        conv.store_state(pool_ref, slot, cols, window, x)
     return outs
 
 
