@@ -360,6 +360,108 @@ def norm_projections(x, norm_weight, eps, weights):
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))
 
 
+# --------------------------------------------------------------- norm_projections on tensor cores (16-64 rows)
+
+# From 16 rows a tensor-core tile holds every row at once: each weight element is read once for all rows, and the
+# kernel still writes the projections side by side where XLA's GEMMs would need a norm fusion before them, split-K
+# sums after them and a concatenation of their outputs (KDA's six projections, GDN's two).
+MMA_ROWS = (16, 64)  # rows: a multiple of 16 (a dot's smallest tile) in this range
+MMA_BLOCK_N = 16
+_MMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # fp32 dots would round through tf32
+
+
+def _norm_projections_mma_kernel(x_ref, nw_ref, *refs, eps, k_dim, chunk, depth, widths, block_n, spare):
+    """One program per ``block_n`` features of one projection, all rows: the rows' RMS scales from x (L2), then
+    each chunk's weight tile (loads a group of chunks ahead) times the normalised chunk of every row on tensor
+    cores, summed in fp32. A narrow projection's last tile is ragged: its clamped weight rows are never stored."""
+    w_refs, o_ref = refs[:-1], refs[-1]
+    rows = x_ref.shape[0]
+    program = pl.program_id(0)
+    chunks = k_dim // chunk
+    groups = [range(first, min(first + depth, chunks)) for first in range(0, chunks, depth)]
+    start = 0
+    for j, width in enumerate(widths):
+        tiles = -(-width // block_n)
+
+        @pl.when((program >= start) & (program < start + tiles))
+        def _(j=j, tile=program - start, width=width, offset=sum(widths[:j])):
+            ragged = width % block_n != 0
+            feats = tile * block_n + jnp.arange(block_n, dtype=jnp.int32)
+            w_rows = jnp.minimum(feats, width - 1) if ragged else pl.ds(tile * block_n, block_n)
+
+            def load(group):
+                return {c: _load_weights(w_refs[j], w_rows, pl.ds(c * chunk, chunk)) for c in group}
+
+            loaded = load(groups[0])
+            total = jnp.zeros((rows,), F32)
+            for c in range(chunks):
+                x = x_ref[:, pl.ds(c * chunk, chunk)].astype(F32)
+                total = total + jnp.sum(x * x, axis=1)
+            scale = jax.lax.rsqrt(total / k_dim + eps)[:, None]
+            acc = jnp.zeros((rows, block_n), F32)
+            for i, group in enumerate(groups):
+                weights = loaded
+                if i + 1 < len(groups):
+                    loaded = load(groups[i + 1])
+                for c in group:
+                    cols = pl.ds(c * chunk, chunk)
+                    x = x_ref[:, cols]
+                    normed = (x.astype(F32) * scale).astype(x.dtype)
+                    h = (nw_ref[cols].astype(F32)[None, :] * normed.astype(F32)).astype(x.dtype)
+                    acc = acc + jax.lax.dot_general(h, weights[c], (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=F32)
+            out = acc.astype(o_ref.dtype)
+            if not ragged:
+                o_ref[:, pl.ds(offset + tile * block_n, block_n)] = out
+                return
+            # see ``_store``: the interpreter's masked lanes address spare columns past the end
+            target = (jnp.where(feats < width, offset + feats, sum(widths) + feats % block_n) if spare
+                      else offset + jnp.minimum(feats, width - 1))
+            every_row = jnp.arange(rows, dtype=jnp.int32)[:, None]
+            mask = jnp.broadcast_to((feats < width)[None, :], (rows, block_n))
+            pltriton.store(o_ref.at[every_row, target[None, :]], out, mask=mask)
+
+        start += tiles
+
+
+def norm_projections_mma_unsupported(x, norm_weight, eps, weights) -> str | None:
+    if x.ndim != 2 or not (MMA_ROWS[0] <= x.shape[0] <= MMA_ROWS[1] and x.shape[0] % 16 == 0):
+        return f"x must be [rows, features] with rows a multiple of 16 in {MMA_ROWS}, got {x.shape}"
+    if jnp.dtype(x.dtype) not in _MMA_DTYPES:
+        return f"tensor-core projections take bf16/f16 operands, got {x.dtype}"
+    if any(w.dtype != x.dtype or w.ndim != 2 or w.shape[1] != x.shape[1] for w in weights):
+        return f"weights must be [out, {x.shape[1]}] {x.dtype}, got {[(w.shape, str(w.dtype)) for w in weights]}"
+    if _chunk(x.shape[1], None) is None:
+        return f"input width {x.shape[1]} must be a multiple of 16"
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype:
+        return f"norm weight must be [{x.shape[1]}] {x.dtype}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "chunk", "depth", "block_n", "num_warps", "interpret"))
+def norm_projections_mma_kernel(x, norm_weight, eps, weights, *, chunk: int | None = 128, depth: int = 4,
+                                block_n: int = MMA_BLOCK_N, num_warps: int = 4, interpret: bool = False):
+    """``norm_projections`` ([S, D] -> [S, sum N_i]) on tensor cores, S a multiple of 16 in ``MMA_ROWS``."""
+    reason = norm_projections_mma_unsupported(x, norm_weight, eps, weights)
+    if reason is not None:
+        raise ValueError(f"norm_projections: {reason}")
+    widths = tuple(w.shape[0] for w in weights)
+    n_dim = sum(widths)
+    spare = interpret and any(w % block_n for w in widths)
+    kernel = functools.partial(_norm_projections_mma_kernel, eps=eps, k_dim=x.shape[1],
+                               chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, block_n=block_n,
+                               spare=spare)
+    out = pl.pallas_call(
+        kernel,
+        grid=(sum(-(-w // block_n) for w in widths),),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], n_dim + (block_n if spare else 0)), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"mma_norm_projections_k{x.shape[1]}",
+    )(x, norm_weight, *weights)
+    return out[:, :n_dim] if spare else out
+
+
 # ----------------------------------------------------------------------------------- norm_projections_conv
 
 
