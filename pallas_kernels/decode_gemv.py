@@ -280,11 +280,9 @@ def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
 def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, depth, widths, blocks, conv_channels=0,
                              barrier=False):
     """``conv_channels`` > 0: refs also hold the conv's (slots, fresh, weight [Kc, C], bias, pool in) after the
-    weights, two outputs (the first projection, the others side by side) and the pool out after them, and the
-    first projection's first C features leave through the conv (``causal_conv1d``'s decode step on each projected
-    tile)."""
-    n_in = len(widths) + (5 if conv_channels else 0)
-    w_refs, out_refs = refs[: len(widths)], refs[n_in : n_in + (2 if conv_channels else 1)]
+    weights and its pool out after the output, and the first projection's first C features leave through the conv
+    (``causal_conv1d``'s decode step on each projected tile)."""
+    w_refs, o_ref = refs[: len(widths)], refs[len(widths) + (5 if conv_channels else 0)]
     conv_refs = (*refs[len(widths) : len(widths) + 4], refs[-1]) if conv_channels else None
     program = pl.program_id(0)
     # (projection, its first tile here, tiles, whether they go through the conv), one program per tile
@@ -295,9 +293,7 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
             segments.append((j, 0, conv_tiles, True))
         if width // block_n > conv_tiles:
             segments.append((j, conv_tiles, width // block_n - conv_tiles, False))
-    # each projection's output and column there: one buffer, or the first projection apart from the others
-    places = ([(out_refs[0], 0)] + [(out_refs[1], sum(widths[1:j])) for j in range(1, len(widths))] if conv_channels
-              else [(out_refs[0], sum(widths[:j])) for j in range(len(widths))])
+    offsets = [sum(widths[:j]) for j in range(len(widths))]
     start = 0
     for j, first, tiles, conv in segments:
         block_n = blocks[j]
@@ -305,7 +301,6 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
         @pl.when((program >= start) & (program < start + tiles))
         def _(j=j, tile=program - start + first, block_n=block_n, conv=conv):
             cols = pl.ds(tile * block_n, block_n)
-            o_ref, offset = places[j]
             if conv:  # the conv state's loads go out before the weights' and are in flight with them
                 slots_ref, fresh_ref, cw_ref, cb_ref, pool_ref = conv_refs
                 windows = [causal_conv1d.previous_inputs(pool_ref, slots_ref[r], fresh_ref[r] != 0, cols,
@@ -316,7 +311,7 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
                 out = accs[r][0]
                 if conv:  # on the projection rounded to the dtype, as the conv kernel reads it
                     out = causal_conv1d.decode_output(windows[r], out.astype(o_ref.dtype), cw_ref, cb_ref, cols)
-                _store(o_ref, r, tile, out, n_dim=widths[j], block_n=block_n, offset=offset)
+                _store(o_ref, r, tile, out, n_dim=widths[j], block_n=block_n, offset=offsets[j])
             if conv:
                 if barrier:  # every load of the old conv state before a store of the new one
                     pltriton.debug_barrier()
@@ -375,8 +370,6 @@ def norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight,
     reason = norm_projections_unsupported(x, norm_weight, eps, weights)
     if reason is not None:
         return reason
-    if len(weights) < 2:
-        return f"the first projection and at least one other: got {len(weights)} weights"
     channels, taps = conv_weight.shape
     if taps < 2 or conv_pool.shape[1:] != (taps - 1, channels):
         return f"conv weight [C, Kc >= 2] and pool [P, Kc-1, C] disagree: {conv_weight.shape}, {conv_pool.shape}"
@@ -395,8 +388,7 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
                                  chunk: int | None = None, depth: int = 8, num_warps: int = 4,
                                  interpret: bool = False):
     """``ops.decode_fused.norm_projections_conv`` in one kernel, S <= MAX_ROWS: the programs of the conv's channels
-    run the conv (silu) on their projected tile and update their channels of the rows' pool slots in place.
-    Returns (first projection, the others side by side, pool)."""
+    run the conv (silu) on their projected tile and update their channels of the rows' pool slots in place."""
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
     if reason is not None:
         raise ValueError(f"norm_projections_conv: {reason}")
@@ -412,10 +404,9 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
     return pl.pallas_call(
         kernel,
         grid=(sum(w // b for w, b in zip(widths, blocks)),),
-        out_shape=(jax.ShapeDtypeStruct((x.shape[0], widths[0]), x.dtype),
-                   jax.ShapeDtypeStruct((x.shape[0], sum(widths[1:])), x.dtype),
+        out_shape=(jax.ShapeDtypeStruct((x.shape[0], sum(widths)), x.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
-        input_output_aliases={len(inputs) - 1: 2},
+        input_output_aliases={len(inputs) - 1: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"gemv_norm_projections_conv_k{x.shape[1]}",
@@ -424,13 +415,11 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh):
     """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
-    above, XLA's projections and the conv kernel writing its output over its input columns of the first one (no
-    concatenation: the two buffers are the GEMMs' outputs)."""
+    above, XLA's projections and the conv kernel writing its output over its input columns (no concatenation)."""
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
     if _takes("norm_projections", reason, x.shape[0]):
         return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
                                             slots, fresh)
-    first, rest = reference.norm_projections_apart(x, norm_weight, eps, weights)
-    first, conv_pool = causal_conv1d.decode_slots_over_input(first, conv_weight, conv_bias, conv_pool, slots, fresh)
-    return first, rest, conv_pool
+    proj = reference.norm_projections(x, norm_weight, eps, weights)
+    return causal_conv1d.decode_slots_over_input(proj, conv_weight, conv_bias, conv_pool, slots, fresh)

@@ -243,7 +243,7 @@ def _head_convs(proj_ref, weight_refs, bias_refs, pool_refs, row, slot, fresh, h
 def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value_dim, heads, offsets, eps,
                   norm_act, barrier=False):
     """One program per (head, row), the head's whole [K, V] state. GDN: refs = (q|k|v buffer, projections buffer
-    (z), the b|a gates' buffer (often the same array), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (projections buffer (q, k, v, f_a, g_a,
+    (z, b, a), A_log, dt_bias, norm weight, pool in, y, pool). KDA: refs = (projections buffer (q, k, v, f_a, g_a,
     beta), the three convs' weights, biases and pools in, f_b and g_b weights, A_log, dt_bias, norm weight, pool
     in, y, the conv pools, pool): each program runs its head's channels of the three convs (``_head_convs``) and
     computes its head's rows of the two low-rank gates (2 x [D, R] weights, from L2 after the first row), which
@@ -253,14 +253,14 @@ def _gated_kernel(slots_ref, fresh_ref, *refs, mixer, rep, scale, key_dim, value
     fresh = fresh_ref[row] != 0
     heads_v = pl.ds(head * value_dim, value_dim)
     if mixer == "gdn":
-        mixed_ref, proj_ref, gates_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
+        mixed_ref, proj_ref, alog_ref, dtb_ref, nw_ref, _, y_ref, state_ref = refs
         key_head, key_size = head // rep, heads // rep * key_dim
         q = mixed_ref[row, pl.ds(key_head * key_dim, key_dim)]
         k = mixed_ref[row, pl.ds(key_size + key_head * key_dim, key_dim)]
         v = mixed_ref[row, pl.ds(2 * key_size + head * value_dim, value_dim)]
         gate = proj_ref[row, pl.ds(offsets["z"] + head * value_dim, value_dim)]
-        b = gates_ref[row, offsets["ba"] + head]
-        a = gates_ref[row, offsets["ba"] + heads + head]
+        b = proj_ref[row, offsets["ba"] + head]
+        a = proj_ref[row, offsets["ba"] + heads + head]
         beta = jax.nn.sigmoid(b.astype(F32)).astype(b.dtype).astype(F32)  # the model dtype's sigmoid, as the module
         g = -jnp.exp(alog_ref[head].astype(F32)) * softplus(a.astype(F32) + dtb_ref[head].astype(F32))
         decay = jnp.exp(g)
@@ -336,7 +336,7 @@ def gated_unsupported(key_dim: int, value_dim: int, norm_act: str) -> str | None
 @functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "z_offset", "ba_offset", "eps", "num_warps",
                                               "interpret"), donate_argnames=("state_pool",))
 def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads, key_dim,
-                     z_offset, ba_offset, eps, gates=None, num_warps=4, interpret=False):
+                     z_offset, ba_offset, eps, num_warps=4, interpret=False):
     """The kernel of ``apriel2_jax.ops.delta_rule.gdn_decode_gated_slots`` (same signature)."""
     heads, value_dim = A_log.shape[0], norm_weight.shape[0]
     reason = gated_unsupported(key_dim, value_dim, "silu")
@@ -344,7 +344,7 @@ def gdn_decode_gated(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots
         reason = f"q|k|v must be the first columns of a [B, *] buffer, got {list(mixed.shape)}"
     if reason is not None:
         raise ValueError(f"gdn_decode_gated: {reason}")
-    return _gated_call("gdn", (mixed, proj, proj if gates is None else gates), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
+    return _gated_call("gdn", (mixed, proj), A_log, dt_bias, norm_weight, state_pool, slots, fresh,
                        rep=heads // key_heads, key_dim=key_dim, value_dim=value_dim,
                        offsets={"z": z_offset, "ba": ba_offset}, eps=eps, norm_act="silu", dtype=mixed.dtype,
                        num_warps=num_warps, interpret=interpret)
@@ -395,13 +395,12 @@ def kda_gated_unsupported(dim: int, rank: int, norm_act: str) -> str | None:
 
 
 def gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh, *, key_heads,
-                           key_dim, z_offset, ba_offset, eps, gates=None):
+                           key_dim, z_offset, ba_offset, eps):
     """Dispatch entry for "gdn_decode_gated_slots": the kernel where it takes the geometry, else the jnp op."""
     from apriel2_jax.ops import delta_rule as ops
 
     value_dim = norm_weight.shape[0]
-    kwargs = dict(key_heads=key_heads, key_dim=key_dim, z_offset=z_offset, ba_offset=ba_offset, eps=float(eps),
-                  gates=gates)
+    kwargs = dict(key_heads=key_heads, key_dim=key_dim, z_offset=z_offset, ba_offset=ba_offset, eps=float(eps))
     if gated_unsupported(key_dim, value_dim, "silu") is not None:
         return ops.gdn_decode_gated_slots(mixed, proj, A_log, dt_bias, norm_weight, state_pool, slots, fresh,
                                           **kwargs)

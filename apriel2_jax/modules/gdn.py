@@ -99,7 +99,7 @@ class GatedDeltaNet(nnx.Module):
 
     def fused_decode(self, norm) -> Callable | None:
         """The fused input norm + input projections + conv (``ops.decode_fused.norm_projections_conv``: q|k|v|z
-        with q|k|v through the conv, and b|a apart), or None where the chain must run unfused (no kernel on this
+        and b|a side by side, q|k|v through the conv), or None where the chain must run unfused (no kernel on this
         backend, a LayerNorm, biases or a tensor-parallel sum in a projection)."""
         fused = kernel("norm_projections_conv")
         if fused is None or not isinstance(norm, RMSNorm):
@@ -114,10 +114,9 @@ class GatedDeltaNet(nnx.Module):
         Returns the new residual stream and the pool."""
         weights = (self.in_proj_qkvz.weight[...], self.in_proj_ba.weight[...])
         conv = self.convolution
-        qkvz, ba, conv_pool = fused(x[:, 0], norm.weight[...], norm.eps, weights, conv.taps, conv.bias_or_none,
-                                    pool["conv"], batch.slots, batch.fresh)
-        # the conv wrote q|k|v over their projections; z follows them, and b|a is a buffer of its own
-        y, ssm = self._update(qkvz, qkvz, batch, pool["ssm"], gates=ba)
+        proj, conv_pool = fused(x[:, 0], norm.weight[...], norm.eps, weights, conv.taps, conv.bias_or_none,
+                                pool["conv"], batch.slots, batch.fresh)
+        y, ssm = self._update(proj, proj, batch, pool["ssm"])  # the conv wrote q|k|v over their projections
         return residual_projection(self.out_proj, y, x), {"conv": conv_pool, "ssm": ssm}
 
     def _decode(self, proj: jax.Array, batch, pool: dict):
@@ -144,16 +143,15 @@ class GatedDeltaNet(nnx.Module):
             y, ssm = self._update(mixed, proj, batch, pool["ssm"])
         return y.reshape(rows, value_size), {"conv": conv, "ssm": ssm}
 
-    def _update(self, mixed: jax.Array, proj: jax.Array, batch, ssm: jax.Array, gates: jax.Array | None = None):
+    def _update(self, mixed: jax.Array, proj: jax.Array, batch, ssm: jax.Array):
         """The gated state update and output norm from the conv's output ``mixed`` [S, q|k|v, ...] and the input
-        projections' ``proj`` [S, q|k|v|z|b|a] (z, b and a read in place), or [S, q|k|v|z] with ``gates`` [S, b|a]:
-        [S, H_v d_v] and the state pool."""
+        projections' ``proj`` [S, q|k|v|z|b|a] (z, b and a read in place): [S, H_v d_v] and the state pool."""
         cfg = self.cfg
         value_size = cfg.value_heads * cfg.value_head_dim
         y, ssm = op("gdn_decode_gated_slots")(
             mixed, proj, self.A_log[...], self.dt_bias[...], self.norm.weight[...], ssm, batch.slots, batch.fresh,
             key_heads=cfg.key_heads, key_dim=cfg.key_head_dim, z_offset=cfg.conv_channels,
-            ba_offset=cfg.conv_channels + value_size if gates is None else 0, eps=self.norm.eps, gates=gates,
+            ba_offset=cfg.conv_channels + value_size, eps=self.norm.eps,
         )
         return y.reshape(proj.shape[0], value_size), ssm
 

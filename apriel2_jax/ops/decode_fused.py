@@ -8,8 +8,7 @@ fuse, built from the same ops the modules use, so each kernel has an oracle with
 
 - ``norm_projections``: an RMSNorm and several projections of its output side by side (attention's Q/K/V, as
   the fused decode attention kernel takes them in one buffer);
-- ``norm_projections_conv``: the same in two buffers, the first projection's first columns through a depthwise
-  causal conv (GDN's q|k|v|z with q|k|v from the conv, and b|a);
+- ``norm_projections_conv``: the same with a depthwise causal conv on the first columns (GDN's q|k|v);
 - ``norm_gated_mlp``: post-attention RMSNorm and the gated MLP's gate/up projections with the activation product;
 - ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down);
 - ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``).
@@ -39,29 +38,17 @@ def norm_projections(x: jax.Array, norm_weight: jax.Array, eps: float, weights: 
     return jnp.concatenate([_project(h, w) for w in weights], axis=-1)
 
 
-def norm_projections_apart(
-    x: jax.Array, norm_weight: jax.Array, eps: float, weights: tuple[jax.Array, ...]
-) -> tuple[jax.Array, jax.Array]:
-    """``norm_projections`` as two buffers: the first projection [S, N_0] and the others side by side."""
-    # One norm for both GEMMs: without the barrier XLA fused the normalisation into the first one's operand loads
-    # and summed the squares in kernels of their own (0.5B, 32 rows, H200).
-    h = jax.lax.optimization_barrier(rms_norm(x, norm_weight, eps))
-    return _project(h, weights[0]), jnp.concatenate([_project(h, w) for w in weights[1:]], axis=-1)
-
-
 def norm_projections_conv(
     x: jax.Array, norm_weight: jax.Array, eps: float, weights: tuple[jax.Array, ...], conv_weight: jax.Array,
     conv_bias: jax.Array | None, conv_pool: jax.Array, slots: jax.Array, fresh: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``norm_projections`` in two buffers: the first projection [S, N_0], whose first C columns go through a
-    depthwise causal conv (silu) against the rows' slots of ``conv_pool`` [P, Kc-1, C]
-    (``causal_conv1d_decode_slots``; conv_weight [C, Kc]), and the other projections side by side [S, sum N_i>0]:
-    GDN's q|k|v|z with q|k|v from the conv, and its b|a. A depthwise conv's channel needs only its own feature, so
-    the kernel runs it on each projected tile; two buffers, because XLA's projections above the kernel's rows
-    would need a concatenation to make one. Returns (first, rest, pool)."""
-    first, rest = norm_projections_apart(x, norm_weight, eps, weights)
-    mixed, conv_pool = causal_conv1d_decode_slots(first, conv_weight, conv_bias, conv_pool, slots, fresh)
-    return jnp.concatenate([mixed, first[:, conv_weight.shape[0] :]], axis=-1), rest, conv_pool
+) -> tuple[jax.Array, jax.Array]:
+    """``norm_projections`` whose first C output columns go through a depthwise causal conv (silu) against the
+    rows' slots of ``conv_pool`` [P, Kc-1, C] (``causal_conv1d_decode_slots``; conv_weight [C, Kc]): GDN's
+    q|k|v, from the norm to the conv's output with z, b and a raw beside it. A depthwise conv's channel needs only
+    its own feature, so the kernel runs it on each projected tile. Returns [S, sum N_i] and the pool."""
+    proj = norm_projections(x, norm_weight, eps, weights)
+    mixed, conv_pool = causal_conv1d_decode_slots(proj, conv_weight, conv_bias, conv_pool, slots, fresh)
+    return jnp.concatenate([mixed, proj[:, conv_weight.shape[0] :]], axis=-1), conv_pool
 
 
 def norm_gated_mlp(

@@ -275,7 +275,6 @@ def gdn_decode_gated_slots(
     z_offset: int,
     ba_offset: int,
     eps: float,
-    gates: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """GDN's decode step from its conv output to its output norm, as the module chains it: the gates from the raw
     b, a projections (``beta = sigmoid(b)`` in the model dtype, ``g = gdn_gate(a)``), the update over the packed
@@ -283,13 +282,12 @@ def gdn_decode_gated_slots(
     (or wider: its first columns, V being the norm weight's size; the projections buffer after the conv wrote
     over its q|k|v);
     proj: the input projections' output [B, *] holding z [H V] at column ``z_offset`` and b, a [H each] at
-    ``ba_offset``, or b, a there in ``gates`` where given (where XLA's GEMMs wrote them apart; one kernel reads them
-    in place: slices would be copies); A_log, dt_bias: [H]; norm_weight: [V].
+    ``ba_offset`` (one kernel reads them there: slices would be copies); A_log, dt_bias: [H]; norm_weight: [V].
     Returns the normed output [B, H, V] in mixed's dtype and the pool."""
     heads = A_log.shape[0]
     value_size = heads * norm_weight.shape[0]
     mixed = _columns(mixed, 0, 2 * key_heads * key_dim + value_size, "q|k|v")
-    ba = _columns(proj if gates is None else gates, ba_offset, 2 * heads, "b|a gates")
+    ba = _columns(proj, ba_offset, 2 * heads, "b|a gates")
     z = _columns(proj, z_offset, value_size, "z").reshape(-1, heads, value_size // heads)
     beta = activation("sigmoid", ba[:, :heads])
     g = gdn_gate(ba[:, heads:], A_log, dt_bias)
