@@ -244,10 +244,11 @@ def _conv_gated_inputs(seed, bias, batch=3, heads=4, dim=16, taps=4, pool=7):
     return x, dict(kw, f_a_offset=3 * size, g_a_offset=3 * size + rank, beta_offset=3 * size + 2 * rank)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_kda_conv_gated_kernel_matches_the_op(bias):
+@pytest.mark.parametrize("bias, early_loads", [(False, True), (True, False)])
+def test_kda_conv_gated_kernel_matches_the_op(bias, early_loads):
     """KDA's convs, gates, update and output norm in one kernel, against the jnp op (the chain of the three conv
-    ops and ``kda_decode_gated_slots`` the module ran before); only the rows' slots change."""
+    ops and ``kda_decode_gated_slots`` the module ran before); only the rows' slots change. Both load orders
+    (``early_loads``: the state slab and the gates' operands before the convs, or after)."""
     from apriel2_jax.ops.conv import causal_conv1d_decode_slots
     from apriel2_jax.ops.delta_rule import kda_decode_conv_gated_slots, kda_decode_gated_slots
     from pallas_kernels.delta_rule_decode import kda_decode_conv_gated
@@ -263,7 +264,7 @@ def test_kda_conv_gated_kernel_matches_the_op(bias):
     np.testing.assert_array_equal(np.asarray(state_ref), np.asarray(state_chain))
 
     copies = dict(x, state_pool=x["state_pool"].copy(), conv_pools=tuple(p.copy() for p in x["conv_pools"]))
-    y, pools, state = kda_decode_conv_gated(**copies, **kw, interpret=True)
+    y, pools, state = kda_decode_conv_gated(**copies, **kw, early_loads=early_loads, interpret=True)
     assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
     # the convs' bf16 outputs may round one ulp apart (another order of the taps' sum), hence the state's bound
     assert _rel(y, y_ref) <= 2e-2 and _rel(state, state_ref) <= 3e-3
@@ -287,3 +288,6 @@ def test_kda_conv_gated_kernel_cross_lowers_for_cuda():
             S((dim,), bf), S((pool, heads, dim, dim), f32), S((batch,), jnp.int32), S((batch,), jnp.bool_))
     _assert_lowers_for_cuda(kda_decode_conv_gated, args, f_a_offset=3 * size, g_a_offset=3 * size + dim,
                             beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid")
+    # 448 programs: the late loads by default; the early ones (one row's 14 programs) lower too
+    _assert_lowers_for_cuda(kda_decode_conv_gated, args, f_a_offset=3 * size, g_a_offset=3 * size + dim,
+                            beta_offset=3 * size + 2 * dim, eps=1e-5, norm_activation="sigmoid", early_loads=True)
