@@ -379,8 +379,7 @@ def kda_decode_conv_gated(proj, conv_weights, conv_biases, conv_pools, f_b_weigh
     """The kernel of ``apriel2_jax.ops.delta_rule.kda_decode_conv_gated_slots`` (same signature): the gated update
     with the three convs on each program's head. ``early_loads``: issue the state slab's and the gates' loads
     before the convs (default: while the (head, row) programs fit in one wave of the GPU, where latency rules;
-    0.5B every2-kda on an H200: B=1 0.696-0.699 ms per step with them against 0.715-0.716, B=32 1.205-1.210
-    against 1.167-1.170)."""
+    past it they cost more than they save: docs/BENCHMARKS.md, "KDA's update issues its loads early")."""
     heads = A_log.shape[0]
     if early_loads is None:
         early_loads = heads * slots.shape[0] <= ONE_WAVE_PROGRAMS
