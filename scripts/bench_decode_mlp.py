@@ -12,6 +12,8 @@ before; ``benchmarking.time_looped``), µs per layer, each path twice in alterna
 - **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add`` (the decode
   GEMV kernels where they take the rows, XLA's GEMMs above);
 - **xla**: the jnp chain, compiled by XLA alone;
+- **product**: ``decode_gated_product.norm_gated_mlp`` (the norm and padding as an XLA fusion, the gate/up
+  projections and activation product in the Mosaic GPU kernel) then the dispatched ``matmul_add``;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
 
 TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
@@ -40,7 +42,7 @@ import pallas_kernels  # noqa: E402,F401  (registers the GPU kernels)
 from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops import decode_fused  # noqa: E402
-from pallas_kernels import decode_mlp  # noqa: E402
+from pallas_kernels import decode_gated_product, decode_mlp  # noqa: E402
 
 F32 = jnp.float32
 EPS = 1e-5
@@ -71,12 +73,24 @@ def kernel(x, norm, gate, up, down):
     return _kernel(x, norm, EPS, gate, up, down, "silu")
 
 
-def check(rows: int, weights, hidden: int) -> dict:
+_product = dispatch.lowered_once(decode_gated_product.norm_gated_mlp)
+
+
+def product(x, norm, gate, up, down):
+    hidden = _product(x, norm, EPS, gate, up, "silu")
+    return dispatch.op("matmul_add")(hidden, down, x)
+
+
+def check(rows: int, weights, hidden: int) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
     want = jax.jit(xla)(x, *weights).astype(F32)
-    got = jax.jit(kernel)(x, *weights).astype(F32)
-    err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
-    return dict(rows=rows, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4), ok=err <= 2 ** -6 * scale)
+    out = []
+    for name, path in (("kernel", kernel), ("product", product)):
+        got = jax.jit(path)(x, *weights).astype(F32)
+        err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
+        out.append(dict(rows=rows, path=name, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4),
+                        ok=err <= 2 ** -6 * scale))
+    return out
 
 
 def phases(rows: int, weights, hidden: int) -> list[dict]:
@@ -147,7 +161,7 @@ def main(argv=None) -> int:
     print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers of [{hidden} -> {inter}] "
           f"({mbytes:.1f} MB of weights each)", flush=True)
     layers = [mlp_weights(seed, hidden, inter) for seed in range(args.layers)]
-    checks = [check(rows, layers[0], hidden) for rows in args.rows]
+    checks = [c for rows in args.rows for c in check(rows, layers[0], hidden)]
     print_rows(checks)
     if not all(c["ok"] for c in checks):
         return 1
@@ -160,9 +174,9 @@ def main(argv=None) -> int:
         return step
 
     rows_out = []
-    paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
+    paths = (("dispatched", dispatched), ("product", product), ("kernel", kernel), ("xla", xla))
     for rows in args.rows:
-        for name, path in paths + paths[:2]:
+        for name, path in paths + paths[:3]:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
             seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
             us = seconds / args.layers * 1e6
