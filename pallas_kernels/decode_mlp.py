@@ -29,7 +29,8 @@ in no fixed order, so outputs can differ between calls by a rounding of the sum 
 rarely).
 
 Status: equal to the bf16 jnp chain on the GPU (2-32 rows; ``tests/pallas_kernels/test_decode_mlp.py`` checks it
-where a GPU is present). Not registered: in the engine it takes ~2% off the B=8 and B=32 steps
+where a GPU is present). Its gate/up phase alone, with the product written out for XLA's down GEMM, is the
+registered ``decode_gated_product`` kernel. Not registered: in the engine it takes ~2% off the B=8 and B=32 steps
 (``bench_generate.py --decode-mlp-kernel``), and its reduce-add order makes decode outputs vary between runs.
 Figures are in docs/BENCHMARKS.md ("Tried and not taken: the whole gated MLP as one persistent Mosaic GPU kernel").
 What bounds it, from its per-CTA trace (``profile_dir``):
