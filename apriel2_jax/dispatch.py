@@ -43,7 +43,6 @@ _REFERENCE: dict[str, Callable] = {
     "norm_projections_conv": decode_fused.norm_projections_conv,
     "norm_gated_mlp": decode_fused.norm_gated_mlp,
     "matmul_add": decode_fused.matmul_add,
-    "mlp_down_add": decode_fused.matmul_add,
     "gated_mlp_residual": decode_fused.gated_mlp_residual,
 }
 _KERNELS: dict[tuple[str, str], Callable] = {}

@@ -7,7 +7,6 @@ from . import (
     causal_conv1d,
     decode_gated_product,
     decode_gemv,
-    decode_matmul_partials,
     delta_rule_decode,
     delta_rule_prefill,
     paged_attention_decode,
@@ -54,11 +53,6 @@ def register_all() -> None:
     # (``decode_gated_product``); one row keeps the GEMV kernel.
     dispatch.register("norm_gated_mlp", "gpu", decode_gated_product.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
-    # The MLP's down projection from eight rows as K-split partials in a Mosaic GPU kernel
-    # (``decode_matmul_partials``), summed with the residual by XLA in a fixed order. Not for the output
-    # projections: their split sum is the fusion where XLA adds the residual and runs the next norm, and there
-    # the kernel lost (docs/BENCHMARKS.md).
-    dispatch.register("mlp_down_add", "gpu", decode_matmul_partials.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,
     # H200, 2026-11-27, two processes each) it takes ~2% off the B=8 and B=32 steps (all-attention B=32 1.117-1.125
     # ms against 1.142-1.146, a12-g1-k11 1.282-1.289 against 1.313-1.322). But its float32 reduce-add stores land

@@ -13,11 +13,7 @@ before; ``benchmarking.time_looped``), µs per layer, each path twice in alterna
   GEMV kernels where they take the rows, XLA's GEMMs above);
 - **xla**: the jnp chain, compiled by XLA alone;
 - **product**: ``decode_gated_product.norm_gated_mlp`` (the norm and padding as an XLA fusion, the gate/up
-  projections and activation product in the Mosaic GPU kernel) then ``decode_gemv.matmul_add`` (XLA's GEMM and
-  split sum above two rows);
-- **partials**: the same product, then ``decode_matmul_partials.matmul_add`` (the down projection's K-split
-  partials in a Mosaic GPU kernel, their sum and the residual add in XLA; with ``product``'s, the engine's path
-  from 8 rows is ``dispatched``);
+  projections and activation product in the Mosaic GPU kernel) then the dispatched ``matmul_add``;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
 
 TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
@@ -46,7 +42,7 @@ import pallas_kernels  # noqa: E402,F401  (registers the GPU kernels)
 from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops import decode_fused  # noqa: E402
-from pallas_kernels import decode_gated_product, decode_gemv, decode_matmul_partials, decode_mlp  # noqa: E402
+from pallas_kernels import decode_gated_product, decode_mlp  # noqa: E402
 
 F32 = jnp.float32
 EPS = 1e-5
@@ -63,7 +59,7 @@ def mlp_weights(seed: int, hidden: int, inter: int):
 
 def dispatched(x, norm, gate, up, down):
     product = dispatch.op("norm_gated_mlp")(x, norm, EPS, gate, up, "silu")
-    return dispatch.op("mlp_down_add")(product, down, x)
+    return dispatch.op("matmul_add")(product, down, x)
 
 
 def xla(x, norm, gate, up, down):
@@ -80,22 +76,16 @@ def kernel(x, norm, gate, up, down):
 _product = dispatch.lowered_once(decode_gated_product.norm_gated_mlp)
 
 
-_partials = dispatch.lowered_once(decode_matmul_partials.matmul_add)
-
-
 def product(x, norm, gate, up, down):
-    return decode_gemv.matmul_add(_product(x, norm, EPS, gate, up, "silu"), down, x)
-
-
-def partials(x, norm, gate, up, down):
-    return _partials(_product(x, norm, EPS, gate, up, "silu"), down, x)
+    hidden = _product(x, norm, EPS, gate, up, "silu")
+    return dispatch.op("matmul_add")(hidden, down, x)
 
 
 def check(rows: int, weights, hidden: int) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
     want = jax.jit(xla)(x, *weights).astype(F32)
     out = []
-    for name, path in (("kernel", kernel), ("product", product), ("partials", partials)):
+    for name, path in (("kernel", kernel), ("product", product)):
         got = jax.jit(path)(x, *weights).astype(F32)
         err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
         out.append(dict(rows=rows, path=name, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4),
@@ -143,8 +133,6 @@ def main(argv=None) -> int:
                     f"over several down blocks (default {decode_mlp.GROUP_REGS}; 8 or less: one block per wgmma)")
     ap.add_argument("--smem-kb", type=int, default=None, help="the kernel's SMEM budget per CTA in KiB (default "
                     f"{decode_mlp.SMEM_BYTES // 1024}; a Hopper CTA may use 227)")
-    ap.add_argument("--ctas-per-sm", type=int, default=None, help="decode_matmul_partials' grid target (default "
-                    f"{decode_matmul_partials.CTAS_PER_SM})")
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -158,8 +146,6 @@ def main(argv=None) -> int:
         decode_mlp.DOWN_DEPTH = args.down_depth
     if args.issue_step is not None:
         decode_mlp.DOWN_ISSUE_STEP = max(args.issue_step, 0)
-    if args.ctas_per_sm is not None:
-        decode_matmul_partials.CTAS_PER_SM = args.ctas_per_sm
     if args.group_regs is not None:
         decode_mlp.GROUP_REGS = args.group_regs
     if args.smem_kb is not None:
@@ -188,10 +174,9 @@ def main(argv=None) -> int:
         return step
 
     rows_out = []
-    paths = (("dispatched", dispatched), ("product", product), ("partials", partials), ("kernel", kernel),
-             ("xla", xla))
+    paths = (("dispatched", dispatched), ("product", product), ("kernel", kernel), ("xla", xla))
     for rows in args.rows:
-        for name, path in paths + paths[:4]:
+        for name, path in paths + paths[:3]:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
             seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
             us = seconds / args.layers * 1e6

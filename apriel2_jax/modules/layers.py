@@ -36,11 +36,10 @@ class Linear(nnx.Module):
         return y
 
 
-def residual_projection(linear: Linear, x: jax.Array, residual: jax.Array, op: str = "matmul_add") -> jax.Array:
+def residual_projection(linear: Linear, x: jax.Array, residual: jax.Array) -> jax.Array:
     """``residual + linear(x)`` for one-token rows (x [S, K], residual [S, 1, N]), as one kernel where the
-    backend has ``op`` (else ``matmul_add``; ``op`` is a name of ``matmul_add`` for one call site, such as
-    ``mlp_down_add``) and the projection is a plain local matmul (no bias, no tensor-parallel sum)."""
-    fused = kernel(op) or kernel("matmul_add")
+    backend has ``matmul_add`` and the projection is a plain local matmul (no bias, no tensor-parallel sum)."""
+    fused = kernel("matmul_add")
     if fused is None or linear.bias is not None or linear.reduce_axis is not None:
         return residual + linear(x)[:, None]
     return fused(x, linear.weight[...], residual[:, 0])[:, None]

@@ -44,4 +44,4 @@ class MLP(nnx.Module):
         hidden = fused(
             x[:, 0], norm.weight[...], norm.eps, self.gate_proj.weight[...], self.up_proj.weight[...], self.activation
         )
-        return residual_projection(self.down_proj, hidden, x, op="mlp_down_add")
+        return residual_projection(self.down_proj, hidden, x)

@@ -11,8 +11,6 @@ fuse, built from the same ops the modules use, so each kernel has an oracle with
 - ``norm_projections_conv``: the same with a depthwise causal conv on the first columns (GDN's q|k|v);
 - ``norm_gated_mlp``: post-attention RMSNorm and the gated MLP's gate/up projections with the activation product;
 - ``matmul_add``: a projection whose output is added to the residual stream (attention output, MLP down);
-  the dispatch point also knows it as ``mlp_down_add``, the MLP's down projection, for kernels that serve only
-  that one (``pallas_kernels.decode_matmul_partials``);
 - ``gated_mlp_residual``: the whole gated MLP with its norm and residual add (``x + down(norm_gated_mlp(x))``).
 
 Rows are sequences ([S, D], one token each). The modules use the fused forms only where a kernel is registered
