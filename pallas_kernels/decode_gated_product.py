@@ -15,7 +15,7 @@ bytes (no tail wave) and the product needs nothing from another CTA; its store i
   and stores its [rows, 64] tile of the product with one TMA store.
 - One CTA per 64 features: intermediate widths above 64 x the SM count are not taken (the entry falls back).
 
-The same gate/up loop is the first phase of the whole-MLP kernel (``decode_mlp``), which keeps the product in SMEM
+The same gate/up loop (``decode_mlp.gated_product_tile``) is the first phase of the whole-MLP kernel (``decode_mlp``), which keeps the product in SMEM
 and adds its down-projection slice into the output with reduce-add stores (in no fixed order, hence not
 registered); this kernel hands the product to XLA's down GEMM instead, whose split-K sum has a fixed order.
 """
@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from apriel2_jax.ops.norms import rms_norm
 
 from . import decode_gemv
-from .decode_mlp import ACTIVATIONS, BLOCK_K, TILE, _activation, _bf16_tiles
+from .decode_mlp import ACTIVATIONS, BLOCK_K, TILE, _bf16_tiles, gated_product_tile
 
 F32 = jnp.float32
 MAX_ROWS = 32
@@ -91,40 +91,7 @@ def gated_product(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, act: str,
         for c in range(blocks):
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
 
-        def issue(step):
-            slot = step % depth
-            cols = pl.ds(step * BLOCK_K, BLOCK_K)
-            plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
-            plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot], w_ready.at[depth + slot])
-
-        for step in range(depth):
-            issue(step)
-
-        def accumulate(acc_g, acc_u):
-            def step_fn(step, _):
-                slot = step % depth
-                plgpu.barrier_wait(h_ready.at[step])
-                plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[depth + slot])
-                rhs = h_smem.at[step].transpose((1, 0))
-                plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
-                plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
-                plgpu.wgmma_wait(2)  # the previous step's pair is done: its stage can be refilled
-
-                @pl.when((step > 0) & (step - 1 + depth < blocks))
-                def _():
-                    issue(step - 1 + depth)
-
-            lax.fori_loop(0, blocks, step_fn, None)
-            plgpu.wgmma_wait(0)
-            return acc_g[...], acc_u[...]
-
-        g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, R), F32), plgpu.ACC((TILE, R), F32))
-        g = g.astype(dtype).astype(F32)
-        u = u.astype(dtype).astype(F32)
-        y = (_activation(act, g).astype(dtype).astype(F32) * u).astype(dtype)
-        y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
+        gated_product_tile(row0, wg_gmem, wu_gmem, h_smem, h_ready, w_smem, w_ready, y_smem, act=act)
         plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[:, pl.ds(row0, TILE)])
         plgpu.wait_smem_to_gmem(0)
 

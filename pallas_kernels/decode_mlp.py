@@ -162,6 +162,62 @@ def _bf16_tiles():
     return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+def gated_product_tile(row0, wg_gmem, wu_gmem, h_smem, h_ready, w_smem, w_ready, y_smem, *, act: str,
+                       extra_loads=None) -> None:
+    """One CTA's [rows, 64] tile of ``act(h @ w_gate.T) * (h @ w_up.T)`` (features [row0, row0 + 64)) into
+    ``y_smem`` [rows, 64], committed for TMA or wgmma reads. The rows' blocks ``h_smem`` [blocks, rows, 128] arrive
+    on ``h_ready`` (loads the caller issued); this issues the (gate, up) weight blocks ([64, 128]) into the ring
+    ``w_smem`` [2, depth, 64, 128] (barriers ``w_ready``: gate stages, then up stages) and refills a stage one step
+    after reading it. Each projection is rounded to the dtype, the activation taken in fp32 and rounded, and the
+    product rounded, as the oracle. ``extra_loads`` = (step, issue): ``issue()`` runs at that loop step (0: after
+    the first stages' loads), behind the (gate, up) loads issued by then: an SM's copies land in issue order."""
+    blocks, depth = h_smem.shape[0], w_smem.shape[1]
+    rows = h_smem.shape[1]
+    dtype = h_smem.dtype
+
+    def issue(step):
+        slot = step % depth
+        cols = pl.ds(step * BLOCK_K, BLOCK_K)
+        plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
+        plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot], w_ready.at[depth + slot])
+
+    for step in range(depth):
+        issue(step)
+    if extra_loads is not None and extra_loads[0] == 0:
+        extra_loads[1]()
+
+    def accumulate(acc_g, acc_u):
+        def step_fn(step, _):
+            slot = step % depth
+            plgpu.barrier_wait(h_ready.at[step])
+            plgpu.barrier_wait(w_ready.at[slot])
+            plgpu.barrier_wait(w_ready.at[depth + slot])
+            rhs = h_smem.at[step].transpose((1, 0))
+            plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
+            plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
+            plgpu.wgmma_wait(2)  # the previous step's pair is done: its stage can be refilled
+
+            @pl.when((step > 0) & (step - 1 + depth < blocks))
+            def _():
+                issue(step - 1 + depth)
+
+            if extra_loads is not None and extra_loads[0] > 0:
+                @pl.when(step == extra_loads[0])
+                def _():
+                    extra_loads[1]()
+
+        lax.fori_loop(0, blocks, step_fn, None)
+        plgpu.wgmma_wait(0)
+        return acc_g[...], acc_u[...]
+
+    g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, rows), F32), plgpu.ACC((TILE, rows), F32))
+    g = g.astype(dtype).astype(F32)
+    u = u.astype(dtype).astype(F32)
+    y = (_activation(act, g).astype(dtype).astype(F32) * u).astype(dtype)
+    y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+
+
 def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_dir: str | None = None) -> jax.Array:
     """h: [rows8, hidden] the normalised rows (bf16); w_gate, w_up [I, hidden]; w_down [hidden, I]. Returns the down
     projection of ``act(gate(h)) * up(h)`` in float32, transposed: [hidden, rows8]. ``profile_dir``: write Mosaic
@@ -172,7 +228,6 @@ def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_
     gd, dd, od, ctas = plan.gate_up_depth, plan.down_depth, plan.out_depth, plan.gate_up_ctas
     group, issue_at = plan.down_group, plan.down_issue_step
     blk = 2 * TILE  # output features per down block
-    col = plgpu.Layout.WGMMA_TRANSPOSED
     part_swizzle = plgpu.find_swizzle(R * 32)
     part_tf = (plgpu.TilingTransform((8, part_swizzle // 4)), plgpu.SwizzleTransform(part_swizzle))
     bf16 = functools.partial(plgpu.SMEM, dtype=dtype, transforms=_bf16_tiles())
@@ -190,50 +245,12 @@ def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], h_smem.at[c], h_ready.at[c])
 
         def gate_up(w_smem):
-            def issue(step):
-                slot = step % gd
-                cols = pl.ds(step * BLOCK_K, BLOCK_K)
-                plgpu.copy_gmem_to_smem(wg_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[0, slot], w_ready.at[slot])
-                plgpu.copy_gmem_to_smem(wu_gmem.at[pl.ds(row0, TILE), cols], w_smem.at[1, slot],
-                                        w_ready.at[gd + slot])
-
-            for step in range(gd):
-                issue(step)
-            if issue_at == 0:
+            def issue_downs():
                 for j in range(dd):
                     issue_down(j)
 
-            def accumulate(acc_g, acc_u):
-                def step_fn(step, _):
-                    slot = step % gd
-                    plgpu.barrier_wait(h_ready.at[step])
-                    plgpu.barrier_wait(w_ready.at[slot])
-                    plgpu.barrier_wait(w_ready.at[gd + slot])
-                    rhs = h_smem.at[step].transpose((1, 0))
-                    plgpu.wgmma(acc_g, w_smem.at[0, slot], rhs)
-                    plgpu.wgmma(acc_u, w_smem.at[1, slot], rhs)
-                    plgpu.wgmma_wait(2)
-
-                    @pl.when((step > 0) & (step - 1 + gd < d_blocks))
-                    def _():
-                        issue(step - 1 + gd)
-
-                    if issue_at > 0:  # behind the (gate, up) loads issued so far: an SM's copies land in order
-                        @pl.when(step == issue_at)
-                        def _():
-                            for j in range(dd):
-                                issue_down(j)
-
-                lax.fori_loop(0, d_blocks, step_fn, None)
-                plgpu.wgmma_wait(0)
-                return acc_g[...], acc_u[...]
-
-            g, u = pl.run_scoped(accumulate, plgpu.ACC((TILE, R), F32), plgpu.ACC((TILE, R), F32))
-            g = g.astype(dtype).astype(F32)
-            u = u.astype(dtype).astype(F32)
-            y = (_activation(act, g).astype(dtype).astype(F32) * u).astype(dtype)
-            y_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, col)
-            plgpu.commit_smem()
+            gated_product_tile(row0, wg_gmem, wu_gmem, h_smem, h_ready, w_smem, w_ready, y_smem, act=act,
+                               extra_loads=(issue_at, issue_downs))
 
         with jax.named_scope("gate_up"):
             pl.run_scoped(gate_up, bf16((2, gd, TILE, BLOCK_K)))
