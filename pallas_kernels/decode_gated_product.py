@@ -1,4 +1,4 @@
-"""The gated MLP's gate/up projections with the activation product, for 2-32 decode rows, as one Mosaic GPU kernel
+"""The gated MLP's gate/up projections with the activation product, for 8-32 decode rows, as one Mosaic GPU kernel
 (TMA weight streaming, wgmma with the rows as the N dimension). The jnp oracle is
 ``apriel2_jax.ops.decode_fused.norm_gated_mlp``; the entry runs the RMSNorm before the kernel in XLA.
 
@@ -15,9 +15,10 @@ bytes (no tail wave) and the product needs nothing from another CTA; its store i
   and stores its [rows, 64] tile of the product with one TMA store.
 - One CTA per 64 features: intermediate widths above 64 x the SM count are not taken (the entry falls back).
 
-The same gate/up loop (``decode_mlp.gated_product_tile``) is the first phase of the whole-MLP kernel (``decode_mlp``), which keeps the product in SMEM
-and adds its down-projection slice into the output with reduce-add stores (in no fixed order, hence not
-registered); this kernel hands the product to XLA's down GEMM instead, whose split-K sum has a fixed order.
+The same gate/up loop (``decode_mlp.gated_product_tile``) is the first phase of the whole-MLP kernel
+(``decode_mlp``), which keeps the product in SMEM and adds its down-projection slice into the output with
+reduce-add stores (in no fixed order, hence not registered); this kernel hands the product to XLA's down GEMM
+instead, whose split-K sum has a fixed order.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from apriel2_jax.ops.norms import rms_norm
 from . import decode_gemv
 from .decode_mlp import ACTIVATIONS, BLOCK_K, TILE, _bf16_tiles, gated_product_tile
 
-F32 = jnp.float32
 MAX_ROWS = 32
 MIN_ROWS = 8  # fewer rows: XLA's GEMV fusions, with the norm inside, or decode_gemv's kernel at one row. In the
 # engine (0.5B, H200, 2026-11-27) the kernel took all-attention B=4 from 0.865 to 0.891 ms and B=2 from 0.790 to
