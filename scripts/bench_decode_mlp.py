@@ -4,16 +4,15 @@
     python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
                                        [--json PATH]
 
-First the kernel's output against the jnp oracle (``ops.decode_fused.gated_mlp_residual``) at each row count
-(exit status 1 on a mismatch beyond one bf16 rounding of the projection and one of the add). Then ``--layers``
+First the kernel's and the dispatched path's outputs against the jnp oracle (``ops.decode_fused.gated_mlp_residual``)
+at each row count (exit status 1 on a mismatch beyond one bf16 rounding of the projection and one of the add). Then ``--layers``
 MLPs of random bf16 weights chained (each layer's output the next one's input, so every call waits on the one
 before; ``benchmarking.time_looped``), µs per layer, each path twice in alternating order:
 
-- **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add`` (the decode
-  GEMV kernels where they take the rows, XLA's GEMMs above);
+- **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add``: the decode
+  GEMV kernels where they take the rows, from 8 rows the gate/up kernel (``decode_gated_product``) then XLA's down
+  GEMM, XLA elsewhere;
 - **xla**: the jnp chain, compiled by XLA alone;
-- **product**: ``decode_gated_product.norm_gated_mlp`` (the norm and padding as an XLA fusion, the gate/up
-  projections and activation product in the Mosaic GPU kernel) then the dispatched ``matmul_add``;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
 
 TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
@@ -42,7 +41,7 @@ import pallas_kernels  # noqa: E402,F401  (registers the GPU kernels)
 from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops import decode_fused  # noqa: E402
-from pallas_kernels import decode_gated_product, decode_mlp  # noqa: E402
+from pallas_kernels import decode_mlp  # noqa: E402
 
 F32 = jnp.float32
 EPS = 1e-5
@@ -73,19 +72,11 @@ def kernel(x, norm, gate, up, down):
     return _kernel(x, norm, EPS, gate, up, down, "silu")
 
 
-_product = dispatch.lowered_once(decode_gated_product.norm_gated_mlp)
-
-
-def product(x, norm, gate, up, down):
-    hidden = _product(x, norm, EPS, gate, up, "silu")
-    return dispatch.op("matmul_add")(hidden, down, x)
-
-
 def check(rows: int, weights, hidden: int) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
     want = jax.jit(xla)(x, *weights).astype(F32)
     out = []
-    for name, path in (("kernel", kernel), ("product", product)):
+    for name, path in (("kernel", kernel), ("dispatched", dispatched)):
         got = jax.jit(path)(x, *weights).astype(F32)
         err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
         out.append(dict(rows=rows, path=name, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4),
@@ -174,9 +165,9 @@ def main(argv=None) -> int:
         return step
 
     rows_out = []
-    paths = (("dispatched", dispatched), ("product", product), ("kernel", kernel), ("xla", xla))
+    paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
     for rows in args.rows:
-        for name, path in paths + paths[:3]:
+        for name, path in paths + paths[:2]:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
             seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
             us = seconds / args.layers * 1e6
