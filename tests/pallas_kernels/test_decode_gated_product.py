@@ -1,7 +1,8 @@
 """The decode gate/up + activation product kernel (``pallas_kernels/decode_gated_product``): its schedule (plain
-Python), its lowering for CUDA, and the entry around it (the norm, padding and slicing, the fallback) with the
-kernel's product computed by jnp. Mosaic GPU kernels have no CPU interpreter: the kernel's own numerics are checked
-where a GPU is present (``scripts/gpu_validate.sh`` runs this file there)."""
+Python), its lowering for CUDA, the entry around it (the norm, padding and slicing, the fallback) with the
+kernel's product computed by jnp, and the kernel's own numerics: in Mosaic GPU's interpret mode on the CPU (small
+shapes, a two-stage ring so that it refills), and at the 0.5B geometry where a GPU is present
+(``scripts/gpu_validate.sh`` runs this file there)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import jax.numpy as jnp
 import pytest
 
 from apriel2_jax.ops import decode_fused
-from apriel2_jax.ops.norms import activation
+from apriel2_jax.ops.norms import activation, rms_norm
 from pallas_kernels import decode_gated_product as gp
 from pallas_kernels import decode_gemv
+
+from .mosaic_interpret import gpu_interpret
 
 F32 = jnp.float32
 
@@ -98,6 +101,23 @@ def test_entry_falls_back_below_its_rows_and_outside_its_shapes(monkeypatch):
     assert calls == [rows for rows, _ in cases]
     x32 = jnp.ones((8, 256), F32)  # float32 rows: not the kernel's
     assert gp.plan_for(x32, norm, gate, up, "silu", sms=132) is None
+
+
+@pytest.mark.parametrize("rows, act", [(8, "silu"), (13, "gelu_pytorch_tanh")])
+def test_kernel_matches_the_op_in_interpret_mode(rows, act):
+    hidden, inter = 640, 192  # 3 feature CTAs; 5 input blocks through 2 ring stages: every stage refilled
+    plan = gp.Schedule(-(-rows // 8) * 8, hidden, inter, depth=2)
+    norm, gate, up = _weights(hidden, inter)
+    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+    h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm, 1e-5)
+    with gpu_interpret() as races_found:
+        got = gp.gated_product(h, gate, up, act=act, plan=plan)[:rows]
+        assert not races_found()
+    want = decode_fused.norm_gated_mlp(x, norm, 1e-5, gate, up, act)
+    diff = jnp.abs(got.astype(F32) - want.astype(F32))
+    # the op's roundings: equal but where an fp32 sum in another order lands on the other side of a bf16 step
+    assert float(jnp.max(diff)) <= 2 ** -7 * float(jnp.max(jnp.abs(want.astype(F32))))
+    assert float(jnp.mean((diff > 0).astype(F32))) < 0.01
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels run only on a GPU")
