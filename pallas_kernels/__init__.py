@@ -50,7 +50,7 @@ def register_all() -> None:
     # GDN's conv on its q|k|v tiles of the projections kernel (a depthwise conv's channel needs only its feature)
     dispatch.register("norm_projections_conv", "gpu", decode_gemv.norm_projections_conv)
     # From eight rows the gate/up pair and its product run as a Mosaic GPU kernel streaming the weights by TMA
-    # (``decode_gated_product``); one row keeps the GEMV kernel, and two to seven XLA's GEMV fusions.
+    # (``decode_gated_product``); one row keeps the GEMV kernel, and two to seven rows XLA's GEMV fusions.
     dispatch.register("norm_gated_mlp", "gpu", decode_gated_product.norm_gated_mlp)
     dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,

@@ -4,10 +4,11 @@
     python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
                                        [--json PATH]
 
-First the kernel's and the dispatched path's outputs against the jnp oracle (``ops.decode_fused.gated_mlp_residual``)
-at each row count (exit status 1 on a mismatch beyond one bf16 rounding of the projection and one of the add). Then ``--layers``
-MLPs of random bf16 weights chained (each layer's output the next one's input, so every call waits on the one
-before; ``benchmarking.time_looped``), µs per layer, each path twice in alternating order:
+First the kernel's and the dispatched path's outputs against the jnp oracle
+(``ops.decode_fused.gated_mlp_residual``) at each row count (exit status 1 on a mismatch beyond one bf16 rounding
+of the projection and one of the add). Then ``--layers`` MLPs of random bf16 weights chained (each layer's output
+the next one's input, so every call waits on the one before; ``benchmarking.time_looped``), µs per layer, each
+path twice in alternating order:
 
 - **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add``: the decode
   GEMV kernels where they take the rows, from 8 rows the gate/up kernel (``decode_gated_product``) then XLA's down
