@@ -6,6 +6,7 @@ from apriel2_jax import dispatch
 from . import (
     causal_conv1d,
     decode_gated_product,
+    decode_projections,
     decode_gemv,
     delta_rule_decode,
     delta_rule_prefill,
@@ -46,7 +47,9 @@ def register_all() -> None:
     # Decode projections of a few rows as GEMVs fused with the norm before them and the activation product or
     # residual add after them (``decode_gemv``); each entry runs the jnp chain above its row limit
     # (``decode_gemv.KERNEL_ROWS``), where XLA's tensor-core GEMMs stream the weights faster.
-    dispatch.register("norm_projections", "gpu", decode_gemv.norm_projections)
+    # From eight rows the input norm's projections (attention's Q/K/V) run as a Mosaic GPU kernel streaming the
+    # weights by TMA (``decode_projections``); one or two rows keep the GEMV kernel.
+    dispatch.register("norm_projections", "gpu", decode_projections.norm_projections)
     # GDN's conv on its q|k|v tiles of the projections kernel (a depthwise conv's channel needs only its feature)
     dispatch.register("norm_projections_conv", "gpu", decode_gemv.norm_projections_conv)
     # From eight rows the gate/up pair and its product run as a Mosaic GPU kernel streaming the weights by TMA

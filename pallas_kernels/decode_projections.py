@@ -1,0 +1,175 @@
+"""A decode step's input projections (an RMSNorm's output times several [out, in] weights, their outputs side by
+side) for 8-32 rows as one Mosaic GPU kernel: TMA loads, wgmma with the rows as the M operand and a narrow tile
+of output features as N. The jnp oracle is ``apriel2_jax.ops.decode_fused.norm_projections``; the entry runs the
+RMSNorm before the kernel in XLA.
+
+Why. Attention's Q/K/V projections are small (2 MB at the 0.5B geometry) and XLA runs them at 8-32 rows as a
+Triton GEMM split four ways over its input, a second fusion summing the splits, and the norm as a third: ~7 µs
+per layer for bytes that stream in well under one. What costs is each kernel's start and first-load latency, and
+few CTAs streaming each: a tile of 64 output features (wgmma's M with the weights as the A operand, as in
+``decode_gated_product``) would give the 1152 Q/K/V features 18 CTAs.
+
+Design. CTA ``p`` owns output features [N p, N p + N) of the concatenated projections, N the tile (16 at the 0.5B
+geometry: 72 CTAs), and computes them over the whole input width, so its TMA store is its only write and no
+partial sums go through HBM.
+- It issues every load at once: the normalised rows' [rows, 128] blocks into the first rows of [64, 128] A
+  operand blocks (the rows past them are never written; their products land in accumulator rows that are never
+  stored), then its [N, 128] weight blocks, the B operands (transposed: the checkpoint's [out, in] rows).
+- It multiplies block by block as they land, rounds the fp32 sum to the dtype (as ``Linear``) and stores its
+  [rows, N] tile with one TMA store.
+- Every block of both operands stays in SMEM, so the input width is bounded (7 blocks at 896, 11 at most with
+  N = 16); wider inputs fall back to the jnp chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from apriel2_jax.ops.norms import rms_norm
+
+from . import decode_gemv
+
+F32 = jnp.float32
+M = 64  # wgmma's M: the rows, padded in SMEM
+BLOCK_K = 128  # input width of one load: [rows, 128] and [N, 128] bf16 blocks, 256-byte rows
+TILES = (16, 32, 64)  # output features per CTA, narrowest first: more CTAs stream the weights sooner
+MAX_ROWS = 32
+MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows) or XLA's GEMV fusions
+SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
+_SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of the operand blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    rows: int  # padded to 8
+    k_dim: int
+    widths: tuple[int, ...]  # each projection's output features
+    tile: int  # output features per CTA
+
+    @property
+    def blocks(self) -> int:
+        return self.k_dim // BLOCK_K
+
+    @property
+    def ctas(self) -> int:
+        return sum(self.widths) // self.tile
+
+    def smem_bytes(self) -> int:
+        """Every block of the rows (padded to M) and of the CTA's weights, and the output tile."""
+        return self.blocks * (M + self.tile) * BLOCK_K * 2 + M * self.tile * 2
+
+
+def schedule(rows: int, k_dim: int, widths: tuple[int, ...], sms: int) -> Schedule | None:
+    """The kernel's schedule for ``rows`` rows of projections [k_dim -> widths], or None where it does not fit:
+    more than ``MAX_ROWS`` rows, an input width not a multiple of 128 or too wide for the SMEM, or no tile in
+    ``TILES`` dividing every width with at most one CTA per SM. The narrowest such tile. Plain Python: the entry
+    decides with it at trace time."""
+    if not 1 <= rows <= MAX_ROWS or k_dim % BLOCK_K or not widths:
+        return None
+    rows8 = -(-rows // 8) * 8
+    for tile in TILES:
+        plan = Schedule(rows8, k_dim, tuple(widths), tile)
+        if all(w % tile == 0 for w in widths) and plan.ctas <= sms and plan.smem_bytes() <= SMEM_BYTES:
+            return plan
+    return None
+
+
+def _tiles(minor: int):
+    """TMA/wgmma transforms of a bf16 SMEM block whose rows are ``minor`` elements (64 or more: 128-byte swizzle
+    of 64-column tiles; fewer: the swizzle of the row's bytes)."""
+    swizzle = _SWIZZLE if minor >= 64 else minor * 2
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule) -> jax.Array:
+    """h: [rows8, K] the normalised rows; weights: [N_i, K] each. Returns ``concat([h @ w.T for w in weights],
+    -1)`` [rows8, sum N_i] in h's dtype, each projection's fp32 sum rounded to it."""
+    R, N, blocks = plan.rows, plan.tile, plan.blocks
+    dtype = h.dtype
+    starts = [sum(plan.widths[:j]) // N for j in range(len(plan.widths))]  # each projection's first CTA
+
+    def tile(p, h_gmem, w_gmems, y_gmem, scratch):
+        (a_smem, w_smem, y_smem), (a_ready, w_ready) = scratch
+        # the rows first: every product needs them, and an SM's copies land roughly in issue order
+        for c in range(blocks):
+            plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], a_smem.at[c, pl.ds(0, R)],
+                                    a_ready.at[c])
+        # the weight blocks of this CTA's features: one branch per projection (separate arrays)
+        for j, w_gmem in enumerate(w_gmems):
+            first, count = starts[j], plan.widths[j] // N
+
+            @pl.when((p >= first) & (p < first + count))
+            def _(w_gmem=w_gmem, first=first):
+                rows = pl.ds((p - first) * N, N)
+                for c in range(blocks):
+                    plgpu.copy_gmem_to_smem(w_gmem.at[rows, pl.ds(c * BLOCK_K, BLOCK_K)], w_smem.at[c],
+                                            w_ready.at[c])
+
+        def accumulate(acc):
+            for c in range(blocks):
+                plgpu.barrier_wait(a_ready.at[c])
+                plgpu.barrier_wait(w_ready.at[c])
+                plgpu.wgmma(acc, a_smem.at[c], w_smem.at[c].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        y = pl.run_scoped(accumulate, plgpu.ACC((M, N), F32))
+        y_smem[...] = y.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(0, R)], y_gmem.at[:, pl.ds(p * N, N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def body(h_gmem, *refs):
+        *w_gmems, y_gmem = refs
+        p = lax.axis_index("p")
+        pl.run_scoped(
+            lambda *s: tile(p, h_gmem, w_gmems, y_gmem, s),
+            (plgpu.SMEM((blocks, M, BLOCK_K), dtype, transforms=_tiles(BLOCK_K)),
+             plgpu.SMEM((blocks, N, BLOCK_K), dtype, transforms=_tiles(BLOCK_K)),
+             plgpu.SMEM((M, N), dtype, transforms=_tiles(N))),
+            (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=blocks)),
+        )
+
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((R, sum(plan.widths)), dtype), grid=(plan.ctas,),
+                        grid_names=("p",))(h, *weights)
+
+
+def unsupported_reason(x, norm_weight, weights) -> str | None:
+    """Why the kernel cannot take these arguments (None where it can, given a schedule)."""
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        return f"x must be [rows, hidden] bf16 (got {x.shape} {x.dtype})"
+    hidden = x.shape[1]
+    if norm_weight.shape != (hidden,) or any(w.ndim != 2 or w.shape[1] != hidden for w in weights):
+        return f"weights must be [out, {hidden}] and the norm [{hidden}]"
+    if any(w.dtype != x.dtype for w in (norm_weight, *weights)):
+        return "weights must share x's dtype"
+    return None
+
+
+def plan_for(x, norm_weight, weights, sms: int | None = None) -> Schedule | None:
+    """The schedule the entry runs for these arguments, or None where it falls back."""
+    if x.ndim != 2 or x.shape[0] < MIN_ROWS or unsupported_reason(x, norm_weight, weights) is not None:
+        return None
+    return schedule(x.shape[0], x.shape[1], tuple(w.shape[0] for w in weights),
+                    sms or jax.devices()[0].core_count)
+
+
+def norm_projections(x, norm_weight, eps, weights, *, sms: int | None = None):
+    """Dispatch entry for "norm_projections" (``ops.decode_fused.norm_projections``: the projections of
+    ``rmsnorm(x)`` side by side, x [rows, hidden]) with the projections in the kernel; the norm and the rows'
+    padding to 8 before it are an XLA fusion. Shapes the kernel does not take, and fewer than ``MIN_ROWS`` rows,
+    go to ``decode_gemv.norm_projections`` (its GEMV kernel at one or two rows, the jnp op elsewhere)."""
+    weights = tuple(weights)
+    plan = plan_for(x, norm_weight, weights, sms)
+    if plan is None:
+        return decode_gemv.norm_projections(x, norm_weight, eps, weights)
+    rows = x.shape[0]
+    h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, eps)
+    return projections(h, weights, plan=plan)[:rows]
