@@ -16,10 +16,12 @@ pids=()
 timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
   > "$out/test_decode_mlp.log" 2>&1 &
 pids+=($!)
-# the Mosaic GPU gate/up kernel (registered) against its jnp op
-timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_gated_product.py \
-  > "$out/test_decode_gated_product.log" 2>&1 &
-pids+=($!)
+# the Mosaic GPU gate/up and Q/K/V kernels (registered) against their jnp ops
+for kernel_test in decode_gated_product decode_projections; do
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_$kernel_test.py \
+    > "$out/test_$kernel_test.log" 2>&1 &
+  pids+=($!)
+done
 # chained decode dispatches against one at a time (the carry read on the device), and chained prefill steps
 timeout "$limit" python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_llm.py \
   -k "(chained or stop_inside or abort_while or cannot_stop) and not prefill" > "$out/test_llm_chained.log" 2>&1 &
@@ -40,7 +42,8 @@ for case in "$APRIEL2_GOLDENS"/*/; do
 done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
-for log in "$out"/test_llm_*.log "$out"/test_decode_mlp.log "$out"/test_decode_gated_product.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
+for log in "$out"/test_llm_*.log "$out"/test_decode_mlp.log "$out"/test_decode_gated_product.log \
+  "$out"/test_decode_projections.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
 for log in "$out"/parity_*.log; do
   echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
 done
