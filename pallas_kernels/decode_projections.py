@@ -19,6 +19,9 @@ partial sums go through HBM.
   [rows, N] tile with one TMA store.
 - Every block of both operands stays in SMEM, so the input width is bounded (7 blocks at 896, 11 at most with
   N = 16); wider inputs fall back to the jnp chain.
+- Every projection's width must be a multiple of the tile: TMA copies between GMEM and swizzled SMEM tiles need
+  each tiled dimension of the whole array (a weight's rows, the output's columns) to be a multiple of the tile
+  (jax 0.11.2), so KDA's beta (14 features) and GDN's b|a (28) cannot be read or stored by partial tiles.
 """
 
 from __future__ import annotations
