@@ -241,6 +241,8 @@ def main(argv=None) -> int:
         rows.append(dict(device=device, way=way, config=config, ctas=ctas, layers=layers, mb_per_layer=round(mb, 1),
                          us_per_layer=round(us, 2), tb_s=round(tbs, 2),
                          pct_copy_bw=round(100 * tbs * 1e12 / bandwidth)))
+        # each figure as it lands: a run cut short by a time limit still reports what it measured
+        print(f"  {way} ({config}, {ctas} CTAs): {us:.2f} µs per layer, {tbs:.2f} TB/s", flush=True)
 
     for (bn, bk, depth), ctas in [(c, p) for c in configs for p in counts]:
         config = f"{bn},{bk},{depth}"
