@@ -17,6 +17,8 @@ partial sums go through HBM.
   stored), then its [N, 128] weight blocks, the B operands (transposed: the checkpoint's [out, in] rows).
 - It multiplies block by block as they land, rounds the fp32 sum to the dtype (as ``Linear``) and stores its
   [rows, N] tile with one TMA store.
+- The norm stays an XLA fusion: normalising the rows in SMEM inside the kernel (every CTA, from the raw rows)
+  cost ~2.6 µs per layer more than that fusion (docs/BENCHMARKS.md).
 - Every block of both operands stays in SMEM, so the input width is bounded (7 blocks at 896, 11 at most with
   N = 16); wider inputs fall back to the jnp chain.
 - Every projection's width must be a multiple of the tile: TMA copies between GMEM and swizzled SMEM tiles need
@@ -27,7 +29,6 @@ partial sums go through HBM.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
