@@ -39,15 +39,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from apriel2_jax.ops.norms import rms_norm
 
 from . import decode_gemv
+from .decode_mlp import BLOCK_K, _bf16_tiles
 
 F32 = jnp.float32
 M = 64  # wgmma's M: the rows, padded in SMEM
-BLOCK_K = 128  # input width of one load: [rows, 128] and [N, 128] bf16 blocks, 256-byte rows
 TILES = (16, 32, 64)  # output features per CTA, narrowest first: more CTAs stream the weights sooner
 MAX_ROWS = 32
 MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows) or XLA's GEMV fusions
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
-_SWIZZLE = 128  # bytes of a 64-element bf16 row: the swizzle of the 64-column tiles of the operand blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +84,12 @@ def schedule(rows: int, k_dim: int, widths: tuple[int, ...], sms: int) -> Schedu
     return None
 
 
-def _tiles(minor: int):
-    """TMA/wgmma transforms of a bf16 SMEM block whose rows are ``minor`` elements (64 or more: 128-byte swizzle
-    of 64-column tiles; fewer: the swizzle of the row's bytes)."""
-    swizzle = _SWIZZLE if minor >= 64 else minor * 2
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+def _output_tiles(tile: int):
+    """Transforms of the [64, tile] bf16 output block: the operand blocks' (``_bf16_tiles``) from 64 features, the
+    swizzle of the row's bytes below."""
+    if tile >= 64:
+        return _bf16_tiles()
+    return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(tile * 2))
 
 
 def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule) -> jax.Array:
@@ -135,9 +135,9 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
         p = lax.axis_index("p")
         pl.run_scoped(
             lambda *s: tile(p, h_gmem, w_gmems, y_gmem, s),
-            (plgpu.SMEM((blocks, M, BLOCK_K), dtype, transforms=_tiles(BLOCK_K)),
-             plgpu.SMEM((blocks, N, BLOCK_K), dtype, transforms=_tiles(BLOCK_K)),
-             plgpu.SMEM((M, N), dtype, transforms=_tiles(N))),
+            (plgpu.SMEM((blocks, M, BLOCK_K), dtype, transforms=_bf16_tiles()),
+             plgpu.SMEM((blocks, N, BLOCK_K), dtype, transforms=_bf16_tiles()),
+             plgpu.SMEM((M, N), dtype, transforms=_output_tiles(N))),
             (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=blocks)),
         )
 
