@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from apriel2_jax import dispatch
 from apriel2_jax.ops import decode_fused as reference
 from apriel2_jax.ops.norms import _ACTIVATIONS
 
@@ -415,11 +416,12 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh):
     """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
-    above, XLA's projections and the conv kernel writing its output over its input columns (no concatenation)."""
+    above, the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and the
+    conv kernel writing its output over its input columns (no concatenation)."""
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
     if _takes("norm_projections", reason, x.shape[0]):
         return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
                                             slots, fresh)
-    proj = reference.norm_projections(x, norm_weight, eps, weights)
+    proj = dispatch.op("norm_projections")(x, norm_weight, eps, weights)
     return causal_conv1d.decode_slots_over_input(proj, conv_weight, conv_bias, conv_pool, slots, fresh)

@@ -21,9 +21,11 @@ partial sums go through HBM.
   cost ~2.6 µs per layer more than that fusion (docs/BENCHMARKS.md).
 - Every block of both operands stays in SMEM, so the input width is bounded (7 blocks at 896, 11 at most with
   N = 16); wider inputs fall back to the jnp chain.
-- Every projection's width must be a multiple of the tile: TMA copies between GMEM and swizzled SMEM tiles need
-  each tiled dimension of the whole array (a weight's rows, the output's columns) to be a multiple of the tile
-  (jax 0.11.2), so KDA's beta (14 features) and GDN's b|a (28) cannot be read or stored by partial tiles.
+- Every projection's width but the last must be a multiple of the tile. TMA copies between GMEM and swizzled
+  SMEM tiles need each tiled dimension of the whole array (a weight's rows, the output's columns) to be a
+  multiple of the tile (jax 0.11.2), so a narrow last projection (KDA's beta, 14 features; GDN's b|a, 28) cannot
+  be read or stored by a partial tile: the entry pads its weight with zero rows to the tile (an XLA pad in the
+  step) and slices the padded columns off the output (an XLA copy).
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barr
 class Schedule:
     rows: int  # padded to 8
     k_dim: int
-    widths: tuple[int, ...]  # each projection's output features
+    widths: tuple[int, ...]  # each projection's output features, the last rounded up to the tile
     tile: int  # output features per CTA
+    features: int = 0  # the projections' features before that rounding (default: sum(widths))
+
+    @property
+    def last_padding(self) -> int:
+        """Zero weight rows the entry appends to the last projection (its features past ``features``)."""
+        return sum(self.widths) - (self.features or sum(self.widths))
 
     @property
     def blocks(self) -> int:
@@ -72,14 +80,17 @@ class Schedule:
 def schedule(rows: int, k_dim: int, widths: tuple[int, ...], sms: int) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of projections [k_dim -> widths], or None where it does not fit:
     more than ``MAX_ROWS`` rows, an input width not a multiple of 128 or too wide for the SMEM, or no tile in
-    ``TILES`` dividing every width with at most one CTA per SM. The narrowest such tile. Plain Python: the entry
-    decides with it at trace time."""
+    ``TILES`` dividing every width but the last with at most one CTA per SM. The narrowest such tile. The last
+    projection's width is rounded up to it: the entry pads that weight with zero rows and drops the output's
+    columns past the projections' (KDA's beta of 14 features, GDN's b|a of 28). Plain Python: the entry decides
+    with it at trace time."""
     if not 1 <= rows <= MAX_ROWS or k_dim % BLOCK_K or not widths:
         return None
     rows8 = -(-rows // 8) * 8
     for tile in TILES:
-        plan = Schedule(rows8, k_dim, tuple(widths), tile)
-        if all(w % tile == 0 for w in widths) and plan.ctas <= sms and plan.smem_bytes() <= SMEM_BYTES:
+        rounded = (*widths[:-1], -(-widths[-1] // tile) * tile)
+        plan = Schedule(rows8, k_dim, rounded, tile, sum(widths))
+        if all(w % tile == 0 for w in widths[:-1]) and plan.ctas <= sms and plan.smem_bytes() <= SMEM_BYTES:
             return plan
     return None
 
@@ -176,4 +187,6 @@ def norm_projections(x, norm_weight, eps, weights, *, sms: int | None = None):
         return decode_gemv.norm_projections(x, norm_weight, eps, weights)
     rows = x.shape[0]
     h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, eps)
-    return projections(h, weights, plan=plan)[:rows]
+    if plan.last_padding:
+        weights = (*weights[:-1], jnp.pad(weights[-1], ((0, plan.last_padding), (0, 0))))
+    return projections(h, weights, plan=plan)[:rows, : plan.features]

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import pytest
 
 from apriel2_jax.ops import decode_fused
-from apriel2_jax.ops.norms import rms_norm
 from pallas_kernels import decode_gemv
 from pallas_kernels import decode_projections as dp
 
@@ -40,7 +39,9 @@ def test_schedule_at_the_05b_geometry(rows):
 @pytest.mark.parametrize("rows, k_dim, widths, sms, want_tile", [
     (8, 896, (896, 128, 128), 64, 32),  # 72 tiles of 16 would exceed 64 SMs
     (8, 512, (640, 64, 64), 16, 64),  # 16 SMs: only tiles of 64 features (12 CTAs) fit one CTA per SM
-    (8, 896, (64, 64, 14), 132, None),  # KDA's beta (14 features): no tile divides it
+    (32, 896, (896, 896, 896, 64, 64, 14), 132, 32),  # KDA: beta (14) padded to 32; tiles of 16 would be 177 CTAs
+    (32, 896, (2048, 28), 132, 16),  # GDN: q|k|v|z and b|a (28) padded to 32: 130 CTAs
+    (8, 896, (14, 64), 132, None),  # a narrow projection that is not the last: its padding would shift the next
     (33, 896, (896, 128, 128), 132, None),  # more rows than the kernel takes
     (8, 960, (896, 128, 128), 132, None),  # input width not a multiple of 128
     (8, 5120, (4096, 1024, 1024), 132, None),  # the 15B's rows and weights do not fit the SMEM
@@ -50,14 +51,17 @@ def test_schedule_picks_a_tile_or_declines(rows, k_dim, widths, sms, want_tile):
     assert (plan.tile if plan else None) == want_tile
     if plan:
         assert plan.ctas <= sms and plan.smem_bytes() <= dp.SMEM_BYTES
+        assert plan.widths[:-1] == widths[:-1] and plan.widths[-1] % plan.tile == 0
+        assert plan.features == sum(widths) and 0 <= plan.last_padding < plan.tile
 
 
 @pytest.mark.parametrize("rows, k_dim, widths", [(8, 896, (896, 128, 128)), (32, 896, (896, 128, 128)),
-                                                 (16, 256, (64, 32))])
+                                                 (16, 256, (64, 32)), (32, 896, (896, 896, 896, 64, 64, 14)),
+                                                 (32, 896, (2048, 28))])
 def test_cross_lowers_for_cuda(rows, k_dim, widths):
     plan = dp.schedule(rows, k_dim, widths, 132)
     args = [jax.ShapeDtypeStruct((plan.rows, k_dim), jnp.bfloat16)]
-    args += [jax.ShapeDtypeStruct((w, k_dim), jnp.bfloat16) for w in widths]
+    args += [jax.ShapeDtypeStruct((w, k_dim), jnp.bfloat16) for w in plan.widths]  # the last padded to the tile
     fn = jax.jit(lambda h, *ws: dp.projections(h, ws, plan=plan))
     # lowering runs Mosaic GPU's layout and transform checks (wgmma operands, swizzles, the row slices)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -70,14 +74,15 @@ def _projections_in_jnp(h, weights, *, plan):
     return jnp.concatenate([h @ w.T for w in weights], axis=-1)
 
 
-@pytest.mark.parametrize("rows", [8, 13, 32])
-def test_entry_normalises_pads_and_slices(rows, monkeypatch):
+@pytest.mark.parametrize("rows, widths", [(8, (64, 32, 32)), (13, (64, 32, 32)), (32, (64, 32, 32)),
+                                          (13, (64, 32, 14))])
+def test_entry_normalises_pads_and_slices(rows, widths, monkeypatch):
     monkeypatch.setattr(dp, "projections", _projections_in_jnp)
-    norm, weights = _weights(256, (64, 32, 32))
+    norm, weights = _weights(256, widths)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 256)).astype(jnp.bfloat16)
     got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)
     want = decode_fused.norm_projections(x, norm, 1e-5, weights)
-    assert got.shape == want.shape == (rows, 128) and got.dtype == want.dtype
+    assert got.shape == want.shape == (rows, sum(widths)) and got.dtype == want.dtype
     assert jnp.array_equal(got, want)
 
 
@@ -94,9 +99,10 @@ def test_entry_falls_back_below_its_rows_and_outside_its_shapes(monkeypatch):
     monkeypatch.setattr(dp, "projections", no_kernel)
     monkeypatch.setattr(decode_gemv, "norm_projections", gemv_entry)
     norm, weights = _weights(256, (64, 32, 14))
-    cases = ((1, (64, 32)), (dp.MIN_ROWS - 1, (64, 32)), (13, (64, 32, 14)))  # 14 features: no tile divides
-    for rows, widths in cases:
-        ws = weights[: len(widths)]
+    # 14 features before 64: no tile divides the narrow projection, and it is not the last
+    cases = ((1, (0, 1)), (dp.MIN_ROWS - 1, (0, 1)), (13, (2, 0)))
+    for rows, which in cases:
+        ws = tuple(weights[i] for i in which)
         x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 256)).astype(jnp.bfloat16)
         got = dp.norm_projections(x, norm, 1e-5, ws, sms=132)
         assert jnp.array_equal(got, decode_fused.norm_projections(x, norm, 1e-5, ws))
@@ -112,24 +118,25 @@ def _assert_close_to_the_op(got, want):
     assert float(jnp.mean((diff > 0).astype(F32))) < 0.01
 
 
-@pytest.mark.parametrize("rows", [8, 13])
-def test_kernel_matches_the_op_in_interpret_mode(rows):
-    hidden, widths = 384, (32, 16, 16)  # 3 input blocks; 4 CTAs over three projections of unequal widths
+@pytest.mark.parametrize("rows, widths", [(8, (32, 16, 16)), (13, (32, 16, 14))])
+def test_kernel_matches_the_op_in_interpret_mode(rows, widths):
+    hidden = 384  # 3 input blocks; 4 CTAs over three projections of unequal widths, the last padded or not
     plan = dp.schedule(rows, hidden, widths, 132)
     assert plan.tile == 16 and plan.ctas == 4
     norm, weights = _weights(hidden, widths)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-    h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm, 1e-5)
     with gpu_interpret() as races_found:
-        got = dp.projections(h, weights, plan=plan)[:rows]
+        got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)  # the entry: norm, paddings, kernel, slices
         assert not races_found()
     _assert_close_to_the_op(got, decode_fused.norm_projections(x, norm, 1e-5, weights))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the 0.5B geometry on the GPU itself")
 @pytest.mark.parametrize("rows", [8, 13, 32])
-def test_kernel_matches_the_op_on_the_gpu(rows):
-    norm, weights = _weights(896, (896, 128, 128))
+@pytest.mark.parametrize("widths", [(896, 128, 128), (896, 896, 896, 64, 64, 14), (2048, 28)],
+                         ids=["attention", "kda", "gdn"])
+def test_kernel_matches_the_op_on_the_gpu(rows, widths):
+    norm, weights = _weights(896, widths)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 896)).astype(jnp.bfloat16)
     assert dp.plan_for(x, norm, weights) is not None
     got = jax.jit(functools.partial(dp.norm_projections, eps=1e-5))(x, norm, weights=weights)
