@@ -6,6 +6,7 @@ from apriel2_jax import dispatch
 from . import (
     causal_conv1d,
     decode_gated_product,
+    decode_matmul_add,
     decode_projections,
     decode_gemv,
     delta_rule_decode,
@@ -55,7 +56,10 @@ def register_all() -> None:
     # From eight rows the gate/up pair and its product run as a Mosaic GPU kernel streaming the weights by TMA
     # (``decode_gated_product``); one row keeps the GEMV kernel, and two to seven rows XLA's GEMV fusions.
     dispatch.register("norm_gated_mlp", "gpu", decode_gated_product.norm_gated_mlp)
-    dispatch.register("matmul_add", "gpu", decode_gemv.matmul_add)
+    # From eight rows the output and down projections with the residual add run as a Mosaic GPU kernel whose
+    # clusters split the input width and sum the partials in a fixed order through distributed shared memory
+    # (``decode_matmul_add``); one or two rows keep the GEMV kernel.
+    dispatch.register("matmul_add", "gpu", decode_matmul_add.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,
     # H200, 2026-11-27, two processes each) it takes ~2% off the B=8 and B=32 steps (all-attention B=32 1.117-1.125
     # ms against 1.142-1.146, a12-g1-k11 1.282-1.289 against 1.313-1.322). But its float32 reduce-add stores land
