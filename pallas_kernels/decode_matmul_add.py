@@ -1,11 +1,12 @@
-"""A decode step's output and down projections with the residual add (``residual + x @ w.T``) for 8-32 rows as one
-Mosaic GPU kernel: split over the input width across the CTAs of a cluster, the partial sums added in a fixed
-order through distributed shared memory. The jnp oracle is ``apriel2_jax.ops.decode_fused.matmul_add``.
+"""A projection with the residual add (``residual + x @ w.T``) for 8-32 decode rows as one Mosaic GPU kernel: split
+over the input width across the CTAs of a cluster, the partial sums added in a fixed order through distributed
+shared memory. The dispatch entry takes it for projections whose input is wider than their output (the MLP's down
+projection); the output projection stays XLA's (``plan_for`` says why). The jnp oracle is
+``apriel2_jax.ops.decode_fused.matmul_add``.
 
-Why. At a few rows these projections are weight streams with little arithmetic (the 0.5B down projection reads
-8.7 MB, the output projection 1.6 MB). Their outputs are narrow (896 features) and their inputs wide (4864 for the
-down projection), so one CTA per tile of output features over the whole input would leave most SMs idle and each
-busy one streaming far more than its share. XLA splits the input 8-16 ways instead and sums the float32 partials
+Why. At a few rows the down projection is a weight stream with little arithmetic (8.7 MB at the 0.5B geometry).
+Its output is narrow (896 features) and its input wide (4864), so one CTA per tile of output features over the
+whole input would leave most SMs idle and each busy one streaming far more than its share. XLA splits the input 8-16 ways instead and sums the float32 partials
 in a second fusion that also adds the residual: ~8.5 µs per layer for the down projection at 32 rows (H200), where
 its bytes stream in ~2.5. A reduction across CTAs in no fixed order (float32 atomic or TMA reduce-add stores, as
 the unregistered ``decode_mlp``) would make decode outputs vary between runs by a rounding.
