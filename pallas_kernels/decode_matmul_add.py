@@ -8,8 +8,9 @@ Why. At a few rows the down projection is a weight stream with little arithmetic
 Its output is narrow (896 features) and its input wide (4864), so one CTA per tile of output features over the
 whole input would leave most SMs idle and each busy one streaming far more than its share. XLA splits the input
 16 ways instead and sums the float32 partials in a second fusion that also adds the residual: ~8.5 µs per layer
-at 32 rows (H200), where its bytes stream in ~2.5. A reduction across CTAs in no fixed order (float32 atomic or TMA reduce-add stores, as
-the unregistered ``decode_mlp``) would make decode outputs vary between runs by a rounding.
+at 32 rows (H200), where its bytes stream in ~2.5. A reduction across CTAs in no fixed order (float32 atomic or
+TMA reduce-add stores, as the unregistered ``decode_mlp``) would make decode outputs vary between runs by a
+rounding.
 
 Design. A cluster of ``S`` CTAs (8 at most, the portable cluster size) owns 64 output features; CTA ``s`` of it
 owns one contiguous share of the input's [*, 128] blocks (38 blocks at 4864 split 5,5,5,5,5,5,4,4).
