@@ -44,9 +44,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import decode_gemv
 from .decode_mlp import BLOCK_K, _bf16_tiles
+from .decode_projections import M, rows_by_weight_blocks
 
 F32 = jnp.float32
-M = 64  # wgmma's M: the rows, padded in SMEM
 TILE = 64  # output features per cluster (wgmma's N)
 MAX_CLUSTER = 8  # the portable cluster size
 MAX_ROWS = 32
@@ -144,15 +144,7 @@ def matmul_add_kernel(x: jax.Array, weight: jax.Array, residual: jax.Array, *, p
             plgpu.copy_gmem_to_smem(w_gmem.at[cols, block], w_smem.at[j], w_ready.at[j])
         plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_ready.at[0])
 
-        def accumulate(acc):
-            for j in range(slots):
-                plgpu.barrier_wait(a_ready.at[j])
-                plgpu.barrier_wait(w_ready.at[j])
-                plgpu.wgmma(acc, a_smem.at[j], w_smem.at[j].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        part_smem[...] = pl.run_scoped(accumulate, plgpu.ACC((M, TILE), F32))
+        part_smem[...] = rows_by_weight_blocks(a_smem, a_ready, w_smem, w_ready, slots, TILE)
         _cluster_sync()
         plgpu.barrier_wait(r_ready.at[0])
         for p in range(pairs):

@@ -103,6 +103,22 @@ def _output_tiles(tile: int):
     return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(tile * 2))
 
 
+def rows_by_weight_blocks(a_smem, a_ready, w_smem, w_ready, blocks: int, features: int) -> jax.Array:
+    """Inside a kernel: ``sum_c a_smem[c] @ w_smem[c].T`` over ``blocks`` SMEM blocks, each pair multiplied as its
+    two loads land (``a_ready[c]``, ``w_ready[c]``). a_smem: [blocks, M, 128] rows (wgmma's A operand); w_smem:
+    [blocks, features, 128] weight rows (the transposed B operand). Returns the float32 [M, features] sum."""
+
+    def accumulate(acc):
+        for c in range(blocks):
+            plgpu.barrier_wait(a_ready.at[c])
+            plgpu.barrier_wait(w_ready.at[c])
+            plgpu.wgmma(acc, a_smem.at[c], w_smem.at[c].transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC((M, features), F32))
+
+
 def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule) -> jax.Array:
     """h: [rows8, K] the normalised rows; weights: [N_i, K] each. Returns ``concat([h @ w.T for w in weights],
     -1)`` [rows8, sum N_i] in h's dtype, each projection's fp32 sum rounded to it."""
@@ -127,15 +143,7 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
                     plgpu.copy_gmem_to_smem(w_gmem.at[rows, pl.ds(c * BLOCK_K, BLOCK_K)], w_smem.at[c],
                                             w_ready.at[c])
 
-        def accumulate(acc):
-            for c in range(blocks):
-                plgpu.barrier_wait(a_ready.at[c])
-                plgpu.barrier_wait(w_ready.at[c])
-                plgpu.wgmma(acc, a_smem.at[c], w_smem.at[c].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        y = pl.run_scoped(accumulate, plgpu.ACC((M, N), F32))
+        y = rows_by_weight_blocks(a_smem, a_ready, w_smem, w_ready, blocks, N)
         y_smem[...] = y.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(0, R)], y_gmem.at[:, pl.ds(p * N, N)])
