@@ -56,9 +56,9 @@ def register_all() -> None:
     # From eight rows the gate/up pair and its product run as a Mosaic GPU kernel streaming the weights by TMA
     # (``decode_gated_product``); one row keeps the GEMV kernel, and two to seven rows XLA's GEMV fusions.
     dispatch.register("norm_gated_mlp", "gpu", decode_gated_product.norm_gated_mlp)
-    # From eight rows the output and down projections with the residual add run as a Mosaic GPU kernel whose
-    # clusters split the input width and sum the partials in a fixed order through distributed shared memory
-    # (``decode_matmul_add``); one or two rows keep the GEMV kernel.
+    # From eight rows the MLP's down projection with the residual add runs as a Mosaic GPU kernel whose clusters
+    # split the input width and sum the partials in a fixed order through distributed shared memory
+    # (``decode_matmul_add``); the output projection stays XLA's there, and one or two rows keep the GEMV kernel.
     dispatch.register("matmul_add", "gpu", decode_matmul_add.matmul_add)
     # The whole MLP as one persistent kernel (``decode_mlp``) is not registered. Side by side in the engine (0.5B,
     # H200, 2026-11-27, two processes each) it takes ~2% off the B=8 and B=32 steps (all-attention B=32 1.117-1.125

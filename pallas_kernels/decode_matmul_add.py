@@ -75,10 +75,11 @@ class Schedule:
     def ctas(self) -> int:
         return self.n_dim // TILE * self.cluster
 
-    def share(self, s: int) -> tuple[int, int]:
-        """(first block, block count) of CTA ``s``: the first ``blocks % cluster`` CTAs take one more."""
+    def share(self, s):
+        """(first block, block count) of CTA ``s`` (an int, or the kernel's cluster index): the first ``blocks %
+        cluster`` CTAs take one more."""
         base, extra = divmod(self.blocks, self.cluster)
-        return s * base + min(s, extra), base + (s < extra)
+        return s * base + jnp.minimum(s, extra), base + jnp.asarray(s < extra, jnp.int32)
 
     def smem_bytes(self) -> int:
         """The slots of rows (padded to M) and weights, the float32 partial, the residual and output tiles."""
@@ -122,9 +123,8 @@ def matmul_add_kernel(x: jax.Array, weight: jax.Array, residual: jax.Array, *, p
 
     def tile(n, s, x_gmem, w_gmem, r_gmem, z_gmem, y_gmem, scratch):
         (a_smem, w_smem, part_smem, r_smem, y_smem), (a_ready, w_ready, r_ready) = scratch
-        base, extra = divmod(plan.blocks, S)
-        first = s * base + jnp.minimum(s, extra)
-        count = base + (s < extra).astype(jnp.int32)
+        first, count = plan.share(s)
+        base = plan.blocks // S  # the blocks every CTA has
         cols = pl.ds(n * TILE, TILE)
         # the rows first: every product needs them, and an SM's copies land roughly in issue order
         for j in range(slots):

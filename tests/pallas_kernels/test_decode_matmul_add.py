@@ -42,7 +42,7 @@ def test_schedule_picks_a_cluster_or_declines(rows, k_dim, n_dim, sms, want):
     if plan:
         assert plan.rows == -(-rows // 8) * 8
         assert plan.ctas <= sms and plan.smem_bytes() <= dma.SMEM_BYTES
-        shares = [plan.share(s) for s in range(plan.cluster)]
+        shares = [tuple(int(v) for v in plan.share(s)) for s in range(plan.cluster)]
         # the shares tile the input's blocks in order, none empty, none wider than the loop
         assert [first for first, _ in shares] == [sum(c for _, c in shares[:s]) for s in range(plan.cluster)]
         assert sum(c for _, c in shares) == plan.blocks and all(1 <= c <= plan.slots for _, c in shares)
