@@ -11,8 +11,8 @@ the next one's input, so every call waits on the one before; ``benchmarking.time
 path twice in alternating order:
 
 - **dispatched**: the ops the engine calls without the kernel, ``norm_gated_mlp`` then ``matmul_add``: the decode
-  GEMV kernels where they take the rows, from 8 rows the gate/up kernel (``decode_gated_product``) then XLA's down
-  GEMM, XLA elsewhere;
+  GEMV kernels where they take the rows, from 8 rows the gate/up kernel (``decode_gated_product``) then the down
+  kernel (``decode_matmul_add``), XLA elsewhere;
 - **xla**: the jnp chain, compiled by XLA alone;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
 
