@@ -16,7 +16,7 @@ pids=()
 timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
   > "$out/test_decode_mlp.log" 2>&1 &
 pids+=($!)
-# the Mosaic GPU gate/up, Q/K/V and output/down kernels (registered) against their jnp ops
+# the Mosaic GPU gate/up, input-projection and down-projection kernels (registered) against their jnp ops
 for kernel_test in decode_gated_product decode_projections decode_matmul_add; do
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_$kernel_test.py \
     > "$out/test_$kernel_test.log" 2>&1 &
