@@ -95,7 +95,7 @@ def gated_product(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, act: str,
         plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[:, pl.ds(row0, TILE)])
         plgpu.wait_smem_to_gmem(0)
 
-    def body(h_gmem, wg_gmem, wu_gmem, y_gmem):
+    def gated_product_body(h_gmem, wg_gmem, wu_gmem, y_gmem):
         p = lax.axis_index("p")
         pl.run_scoped(
             lambda *s: product_tile(p, h_gmem, wg_gmem, wu_gmem, y_gmem, s),
@@ -103,8 +103,8 @@ def gated_product(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, act: str,
             (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=2 * depth)),
         )
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((R, plan.intermediate), dtype), grid=(plan.ctas,),
-                        grid_names=("p",))(h, w_gate, w_up)
+    return plgpu.kernel(gated_product_body, out_type=jax.ShapeDtypeStruct((R, plan.intermediate), dtype),
+                        grid=(plan.ctas,), grid_names=("p",))(h, w_gate, w_up)
 
 
 def unsupported_reason(x, norm_weight, w_gate, w_up, act) -> str | None:

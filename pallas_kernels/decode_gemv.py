@@ -354,8 +354,9 @@ def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None =
                  num_warps=num_warps, interpret=interpret)
 
 
-def norm_projections(x, norm_weight, eps, weights):
-    """Dispatch entry for "norm_projections"."""
+def norm_projections(x, norm_weight, eps, weights, pad_columns: bool = False):
+    """Dispatch entry for "norm_projections" (its output has no padding columns)."""
+    del pad_columns
     if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0]):
         return reference.norm_projections(x, norm_weight, eps, weights)
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))
@@ -414,7 +415,8 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
     )(*inputs)
 
 
-def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh):
+def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh,
+                          pad_columns: bool = False):
     """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
     above, the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and the
     conv kernel writing its output over its input columns (no concatenation)."""
@@ -423,5 +425,5 @@ def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, 
     if _takes("norm_projections", reason, x.shape[0]):
         return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
                                             slots, fresh)
-    proj = dispatch.op("norm_projections")(x, norm_weight, eps, weights)
+    proj = dispatch.op("norm_projections")(x, norm_weight, eps, weights, pad_columns)
     return causal_conv1d.decode_slots_over_input(proj, conv_weight, conv_bias, conv_pool, slots, fresh)

@@ -164,7 +164,7 @@ def matmul_add_kernel(x: jax.Array, weight: jax.Array, residual: jax.Array, *, p
         plgpu.wait_smem_to_gmem(0)
         _cluster_sync()  # the peers have read this CTA's partial
 
-    def body(x_gmem, w_gmem, r_gmem, z_gmem, y_gmem):
+    def matmul_add_body(x_gmem, w_gmem, r_gmem, z_gmem, y_gmem):
         n, s = lax.axis_index("n"), lax.axis_index("s")
         pl.run_scoped(
             lambda *scratch: tile(n, s, x_gmem, w_gmem, r_gmem, z_gmem, y_gmem, scratch),
@@ -176,7 +176,8 @@ def matmul_add_kernel(x: jax.Array, weight: jax.Array, residual: jax.Array, *, p
             (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=1)),
         )
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((R, plan.n_dim), dtype), grid=(plan.n_dim // TILE,),
+    return plgpu.kernel(matmul_add_body, out_type=jax.ShapeDtypeStruct((R, plan.n_dim), dtype),
+                        grid=(plan.n_dim // TILE,),
                         grid_names=("n",), cluster=(S,), cluster_names=("s",),
                         # explicit layouts: the Warpgroup semantics' lowering of a peer's sliced SMEM ref fails
                         # (a memref offset mismatch, jax 0.11.2)

@@ -296,7 +296,7 @@ def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_
         plgpu.wait_smem_to_gmem(0)
         plgpu.semaphore_signal(counter.at[0], 1, memory_scope="gpu")
 
-    def body(h_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem):
+    def mlp_body(h_gmem, wg_gmem, wu_gmem, wd_gmem, acc_gmem):
         p = lax.axis_index("p")
         counter = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
 
@@ -323,7 +323,8 @@ def gated_mlp_sum(h, w_gate, w_up, w_down, *, act: str, plan: Schedule, profile_
             plgpu.semaphore_signal(counter.at[0], -1, memory_scope="gpu")
 
     params = plgpu.CompilerParams(profile_space=16, profile_dir=profile_dir) if profile_dir else None
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((D, R), F32), grid=(plan.programs,), grid_names=("p",),
+    return plgpu.kernel(mlp_body, out_type=jax.ShapeDtypeStruct((D, R), F32), grid=(plan.programs,),
+                        grid_names=("p",),
                         compiler_params=params)(h, w_gate, w_up, w_down)
 
 

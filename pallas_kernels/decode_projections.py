@@ -23,19 +23,25 @@ partial sums go through HBM.
   N = 16); wider inputs fall back to the jnp chain.
 - Every projection's width but the last must be a multiple of the tile. TMA copies between GMEM and swizzled
   SMEM tiles need each tiled dimension of the whole array (a weight's rows, the output's columns) to be a
-  multiple of the tile (jax 0.11.2), so a narrow last projection (KDA's beta, 14 features; GDN's b|a, 28) cannot
-  be read or stored by a partial tile: the entry pads its weight with zero rows to the tile (an XLA pad in the
-  step) and slices the padded columns off the output (an XLA copy).
+  multiple of the tile (jax 0.11.2), so a narrow last projection (KDA's beta, 14 features; GDN's b|a, 28) is
+  neither read into a swizzled tile nor stored as a partial one:
+  - its CTAs TMA its rows into plain SMEM and copy them into the swizzled B operand blocks themselves (an XLA
+    pad of the weight ran as a kernel of its own in every decode step: XLA keeps it inside the device loop);
+  - the output keeps its width rounded up to the tile. The entry drops the padding columns (an XLA copy) unless
+    the caller passes ``pad_columns`` (KDA and GDN read the buffer at their columns' offsets).
+  Dropping both took the H100's pure-gdn step from 1.152-1.157 to 1.094-1.107 ms at 32 rows (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from apriel2_jax.ops.norms import rms_norm
@@ -44,6 +50,10 @@ from . import decode_gemv
 from .decode_mlp import BLOCK_K, _bf16_tiles
 
 F32 = jnp.float32
+# A narrow projection's staged rows in registers: four rows per warp, 16 contiguous bytes per thread (a plain
+# SMEM load, and a swizzled store without bank conflicts)
+STAGE_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((16, 64), (4, 64), (8,))), warp_dims=(-5,), lane_dims=(-3, -2),
+                                  vector_dim=-1)
 M = 64  # wgmma's M: the rows, padded in SMEM
 TILES = (16, 32, 64)  # output features per CTA, narrowest first: more CTAs stream the weights sooner
 MAX_ROWS = 32
@@ -61,8 +71,15 @@ class Schedule:
 
     @property
     def last_padding(self) -> int:
-        """Zero weight rows the entry appends to the last projection (its features past ``features``)."""
+        """The last projection's width past its features: the rounding of its width up to the tile."""
         return sum(self.widths) - (self.features or sum(self.widths))
+
+    @property
+    def stage_rows(self) -> int:
+        """Rows of a narrow last projection's plain staging blocks (``projections``): its rows per tile, in
+        multiples of ``STAGE_LAYOUT``'s 16."""
+        narrow_rows = self.widths[-1] - self.last_padding
+        return min(self.tile, -(-narrow_rows // 16) * 16)
 
     @property
     def blocks(self) -> int:
@@ -73,17 +90,18 @@ class Schedule:
         return sum(self.widths) // self.tile
 
     def smem_bytes(self) -> int:
-        """Every block of the rows (padded to M) and of the CTA's weights, and the output tile."""
-        return self.blocks * (M + self.tile) * BLOCK_K * 2 + M * self.tile * 2
+        """Every block of the rows (padded to M) and of the CTA's weights, the output tile, and a narrow last
+        projection's plain staging blocks."""
+        staging = self.blocks * self.stage_rows * BLOCK_K * 2 if self.last_padding else 0
+        return self.blocks * (M + self.tile) * BLOCK_K * 2 + M * self.tile * 2 + staging
 
 
 def schedule(rows: int, k_dim: int, widths: tuple[int, ...], sms: int) -> Schedule | None:
     """The kernel's schedule for ``rows`` rows of projections [k_dim -> widths], or None where it does not fit:
     more than ``MAX_ROWS`` rows, an input width not a multiple of 128 or too wide for the SMEM, or no tile in
     ``TILES`` dividing every width but the last with at most one CTA per SM. The narrowest such tile. The last
-    projection's width is rounded up to it: the entry pads that weight with zero rows and drops the output's
-    columns past the projections' (KDA's beta of 14 features, GDN's b|a of 28). Plain Python: the entry decides
-    with it at trace time."""
+    projection's width is rounded up to it (KDA's beta of 14 features, GDN's b|a of 28): the kernel's output has
+    columns past the projections'. Plain Python: the entry decides with it at trace time."""
     if not 1 <= rows <= MAX_ROWS or k_dim % BLOCK_K or not widths:
         return None
     rows8 = -(-rows // 8) * 8
@@ -120,14 +138,35 @@ def rows_by_weight_blocks(a_smem, a_ready, w_smem, w_ready, blocks: int, feature
 
 
 def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule) -> jax.Array:
-    """h: [rows8, K] the normalised rows; weights: [N_i, K] each. Returns ``concat([h @ w.T for w in weights],
-    -1)`` [rows8, sum N_i] in h's dtype, each projection's fp32 sum rounded to it."""
+    """h: [rows8, K] the normalised rows; weights: [N_i, K] each, the last one's rows possibly fewer than its
+    rounded width (``plan.last_padding``). Returns ``concat([h @ w.T for w in weights], -1)`` [rows8, sum of the
+    rounded widths] in h's dtype, each projection's fp32 sum rounded to it; the columns past a narrow last
+    projection's rows hold anything."""
     R, N, blocks = plan.rows, plan.tile, plan.blocks
     dtype = h.dtype
     starts = [sum(plan.widths[:j]) // N for j in range(len(plan.widths))]  # each projection's first CTA
+    narrow = plan.last_padding > 0
+    narrow_rows = plan.widths[-1] - plan.last_padding  # the narrow weight's rows
+
+    def load_narrow_tile(w_gmem, t, w_smem, w_ready, stage_smem, stage_ready):
+        """Tile ``t`` of a narrow last projection. TMA reads a swizzled tile only from an array whose tiled
+        dimensions are whole tiles (jax 0.11.2), so the tile's weight rows land in plain SMEM and are copied from
+        there into the first ``plan.stage_rows`` rows of the swizzled B operand blocks; the copy stands in for the
+        TMA's arrival on ``w_ready``. The operand's rows past the weight's are left as they are: they only reach
+        output columns past the projection's features, which the entry drops."""
+        valid = min(N, narrow_rows - t * N)
+        S = plan.stage_rows
+        for c in range(blocks):
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(t * N, valid), pl.ds(c * BLOCK_K, BLOCK_K)],
+                                    stage_smem.at[c, pl.ds(0, valid)], stage_ready.at[c])
+        for c in range(blocks):
+            plgpu.barrier_wait(stage_ready.at[c])
+            w_smem.at[c, pl.ds(0, S)][...] = plgpu.load(stage_smem.at[c], layout=STAGE_LAYOUT)
+            plgpu.commit_smem()  # visible to wgmma (the async proxy) before it is signalled
+            plgpu.barrier_arrive(w_ready.at[c])
 
     def tile(p, h_gmem, w_gmems, y_gmem, scratch):
-        (a_smem, w_smem, y_smem), (a_ready, w_ready) = scratch
+        (a_smem, w_smem, y_smem, *stage_smem), (a_ready, w_ready, *stage_ready) = scratch
         # the rows first: every product needs them, and an SM's copies land roughly in issue order
         for c in range(blocks):
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(c * BLOCK_K, BLOCK_K)], a_smem.at[c, pl.ds(0, R)],
@@ -135,6 +174,11 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
         # the weight blocks of this CTA's features: one branch per projection (separate arrays)
         for j, w_gmem in enumerate(w_gmems):
             first, count = starts[j], plan.widths[j] // N
+            if narrow and j == len(w_gmems) - 1:
+                for t in range(count):
+                    pl.when(p == first + t)(functools.partial(load_narrow_tile, w_gmem, t, w_smem, w_ready,
+                                                              *stage_smem, *stage_ready))
+                continue
 
             @pl.when((p >= first) & (p < first + count))
             def _(w_gmem=w_gmem, first=first):
@@ -149,19 +193,25 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
         plgpu.copy_smem_to_gmem(y_smem.at[pl.ds(0, R)], y_gmem.at[:, pl.ds(p * N, N)])
         plgpu.wait_smem_to_gmem(0)
 
-    def body(h_gmem, *refs):
+    def projections_body(h_gmem, *refs):
         *w_gmems, y_gmem = refs
         p = lax.axis_index("p")
+        staging = ((), ())
+        if narrow:
+            staging = ((plgpu.SMEM((blocks, plan.stage_rows, BLOCK_K), dtype),), (plgpu.Barrier(num_barriers=blocks),))
         pl.run_scoped(
             lambda *s: tile(p, h_gmem, w_gmems, y_gmem, s),
             (plgpu.SMEM((blocks, M, BLOCK_K), dtype, transforms=_bf16_tiles()),
              plgpu.SMEM((blocks, N, BLOCK_K), dtype, transforms=_bf16_tiles()),
-             plgpu.SMEM((M, N), dtype, transforms=_output_tiles(N))),
-            (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=blocks)),
+             plgpu.SMEM((M, N), dtype, transforms=_output_tiles(N)), *staging[0]),
+            (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=blocks), *staging[1]),
         )
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((R, sum(plan.widths)), dtype), grid=(plan.ctas,),
-                        grid_names=("p",))(h, *weights)
+    return plgpu.kernel(projections_body, out_type=jax.ShapeDtypeStruct((R, sum(plan.widths)), dtype),
+                        grid=(plan.ctas,), grid_names=("p",),
+                        # explicit layouts: Warpgroup semantics' inference finds none for the staging copy
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+                        )(h, *weights)
 
 
 def unsupported_reason(x, norm_weight, weights) -> str | None:
@@ -184,17 +234,18 @@ def plan_for(x, norm_weight, weights, sms: int | None = None) -> Schedule | None
                     sms or jax.devices()[0].core_count)
 
 
-def norm_projections(x, norm_weight, eps, weights, *, sms: int | None = None):
+def norm_projections(x, norm_weight, eps, weights, pad_columns: bool = False, *, sms: int | None = None):
     """Dispatch entry for "norm_projections" (``ops.decode_fused.norm_projections``: the projections of
     ``rmsnorm(x)`` side by side, x [rows, hidden]) with the projections in the kernel; the norm and the rows'
-    padding to 8 before it are an XLA fusion. Shapes the kernel does not take, and fewer than ``MIN_ROWS`` rows,
-    go to ``decode_gemv.norm_projections`` (its GEMV kernel at one or two rows, the jnp op elsewhere)."""
+    padding to 8 before it are an XLA fusion. With ``pad_columns`` the kernel's output keeps a narrow last
+    projection's padding columns (no copy to drop them). Shapes the kernel does not take, and fewer than
+    ``MIN_ROWS`` rows, go to ``decode_gemv.norm_projections`` (its GEMV kernel at one or two rows, the jnp op
+    elsewhere)."""
     weights = tuple(weights)
     plan = plan_for(x, norm_weight, weights, sms)
     if plan is None:
         return decode_gemv.norm_projections(x, norm_weight, eps, weights)
     rows = x.shape[0]
     h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm_weight, eps)
-    if plan.last_padding:
-        weights = (*weights[:-1], jnp.pad(weights[-1], ((0, plan.last_padding), (0, 0))))
-    return projections(h, weights, plan=plan)[:rows, : plan.features]
+    y = projections(h, weights, plan=plan)
+    return y[:rows] if pad_columns else y[:rows, : plan.features]

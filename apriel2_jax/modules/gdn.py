@@ -114,8 +114,9 @@ class GatedDeltaNet(nnx.Module):
         Returns the new residual stream and the pool."""
         weights = (self.in_proj_qkvz.weight[...], self.in_proj_ba.weight[...])
         conv = self.convolution
+        # pad_columns: the update reads proj at its columns' offsets, so a kernel's padding past b|a can stay
         proj, conv_pool = fused(x[:, 0], norm.weight[...], norm.eps, weights, conv.taps, conv.bias_or_none,
-                                pool["conv"], batch.slots, batch.fresh)
+                                pool["conv"], batch.slots, batch.fresh, pad_columns=True)
         y, ssm = self._update(proj, proj, batch, pool["ssm"])  # the conv wrote q|k|v over their projections
         return residual_projection(self.out_proj, y, x), {"conv": conv_pool, "ssm": ssm}
 
@@ -129,7 +130,8 @@ class GatedDeltaNet(nnx.Module):
         ba_offset = cfg.conv_channels + value_size
         fused = kernel("gdn_decode_fused_slots")
         if fused is not None:  # conv, gates and the state update in one kernel
-            qkv, z, b, a = self._unpack(proj[:, :ba_offset][:, None], proj[:, ba_offset:][:, None])
+            ba = proj[:, ba_offset : ba_offset + 2 * cfg.value_heads]
+            qkv, z, b, a = self._unpack(proj[:, :ba_offset][:, None], ba[:, None])
             o, conv, ssm = fused(
                 qkv[:, 0], self.convolution.taps, pool["conv"], a[:, 0], b[:, 0], self.A_log[...],
                 self.dt_bias[...], pool["ssm"], batch.slots, batch.fresh, key_heads=cfg.key_heads,

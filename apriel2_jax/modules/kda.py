@@ -133,7 +133,8 @@ class KimiDeltaAttention(nnx.Module):
         one kernel, the convs, gates and state update, then the output projection added to ``x``. Returns the new
         residual stream and the pool."""
         weights = tuple(proj.weight[...] for proj in self._input_projections())
-        y, pool = self._decode(fused(x[:, 0], norm.weight[...], norm.eps, weights), batch, pool)
+        # pad_columns: _decode reads proj at its columns' offsets, so a kernel's padding past beta can stay
+        y, pool = self._decode(fused(x[:, 0], norm.weight[...], norm.eps, weights, pad_columns=True), batch, pool)
         return residual_projection(self.o_proj, y, x), pool
 
     def _decode(self, proj: jax.Array, batch, pool: dict):
@@ -147,7 +148,7 @@ class KimiDeltaAttention(nnx.Module):
         fused = kernel("kda_decode_fused_slots")
         if fused is not None:  # convs, gate and the state update in one kernel
             g_raw, beta, gate = self._gate_inputs_from(proj[:, f_a_offset:g_a_offset], proj[:, g_a_offset:beta_offset],
-                                                       proj[:, beta_offset:])
+                                                       proj[:, beta_offset : beta_offset + cfg.heads])
             shape = (proj.shape[0], cfg.heads, dim)
             o, conv_pools, ssm = fused(
                 proj[:, :size], proj[:, size : 2 * size], proj[:, 2 * size : 3 * size],

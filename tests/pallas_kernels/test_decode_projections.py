@@ -61,7 +61,7 @@ def test_schedule_picks_a_tile_or_declines(rows, k_dim, widths, sms, want_tile):
 def test_cross_lowers_for_cuda(rows, k_dim, widths):
     plan = dp.schedule(rows, k_dim, widths, 132)
     args = [jax.ShapeDtypeStruct((plan.rows, k_dim), jnp.bfloat16)]
-    args += [jax.ShapeDtypeStruct((w, k_dim), jnp.bfloat16) for w in plan.widths]  # the last padded to the tile
+    args += [jax.ShapeDtypeStruct((w, k_dim), jnp.bfloat16) for w in widths]  # a narrow last one as it is
     fn = jax.jit(lambda h, *ws: dp.projections(h, ws, plan=plan))
     # lowering runs Mosaic GPU's layout and transform checks (wgmma operands, swizzles, the row slices)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -69,21 +69,28 @@ def test_cross_lowers_for_cuda(rows, k_dim, widths):
 
 
 def _projections_in_jnp(h, weights, *, plan):
-    """What the kernel computes, in jnp, from the normalised rows padded to the schedule's."""
+    """What the kernel computes, in jnp, from the normalised rows padded to the schedule's: its columns past a
+    narrow last projection's features are undefined (NaN here)."""
     assert h.shape == (plan.rows, plan.k_dim)
-    return jnp.concatenate([h @ w.T for w in weights], axis=-1)
+    assert tuple(w.shape[0] for w in weights) == (*plan.widths[:-1], plan.widths[-1] - plan.last_padding)
+    out = jnp.concatenate([h @ w.T for w in weights], axis=-1)
+    return jnp.pad(out, ((0, 0), (0, plan.last_padding)), constant_values=jnp.nan)
 
 
 @pytest.mark.parametrize("rows, widths", [(8, (64, 32, 32)), (13, (64, 32, 32)), (32, (64, 32, 32)),
                                           (13, (64, 32, 14))])
-def test_entry_normalises_pads_and_slices(rows, widths, monkeypatch):
+@pytest.mark.parametrize("pad_columns", [False, True])
+def test_entry_normalises_pads_and_slices(rows, widths, pad_columns, monkeypatch):
     monkeypatch.setattr(dp, "projections", _projections_in_jnp)
     norm, weights = _weights(256, widths)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 256)).astype(jnp.bfloat16)
-    got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)
+    got = dp.norm_projections(x, norm, 1e-5, weights, pad_columns, sms=132)
     want = decode_fused.norm_projections(x, norm, 1e-5, weights)
-    assert got.shape == want.shape == (rows, sum(widths)) and got.dtype == want.dtype
-    assert jnp.array_equal(got, want)
+    # pad_columns keeps the last projection's padding to the tile (16 here), else the output is the op's shape
+    padded = -(-widths[-1] // 16) * 16 - widths[-1] if pad_columns else 0
+    assert got.shape == (rows, sum(widths) + padded) and want.shape == (rows, sum(widths))
+    assert got.dtype == want.dtype
+    assert jnp.array_equal(got[:, : sum(widths)], want)
 
 
 def test_entry_falls_back_below_its_rows_and_outside_its_shapes(monkeypatch):
@@ -126,7 +133,7 @@ def test_kernel_matches_the_op_in_interpret_mode(rows, widths):
     norm, weights = _weights(hidden, widths)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
     with gpu_interpret() as races_found:
-        got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)  # the entry: norm, paddings, kernel, slices
+        got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)  # the entry: norm, row padding, kernel, slices
         assert not races_found()
     _assert_close_to_the_op(got, decode_fused.norm_projections(x, norm, 1e-5, weights))
 
@@ -140,4 +147,8 @@ def test_kernel_matches_the_op_on_the_gpu(rows, widths):
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 896)).astype(jnp.bfloat16)
     assert dp.plan_for(x, norm, weights) is not None
     got = jax.jit(functools.partial(dp.norm_projections, eps=1e-5))(x, norm, weights=weights)
-    _assert_close_to_the_op(got, decode_fused.norm_projections(x, norm, 1e-5, weights))
+    want = decode_fused.norm_projections(x, norm, 1e-5, weights)
+    _assert_close_to_the_op(got, want)
+    padded = jax.jit(functools.partial(dp.norm_projections, eps=1e-5, pad_columns=True))(x, norm, weights=weights)
+    assert padded.shape[1] >= want.shape[1]
+    assert jnp.array_equal(padded[:, : want.shape[1]], got)
