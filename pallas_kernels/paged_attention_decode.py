@@ -30,7 +30,7 @@ K-split):
   running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
   which the epilogue turns into a zero output instead of NaN.
 - With one split the program writes the normalised output directly. With several splits each writes its partial
-  (unnormalised accumulator, running max, running sum) in fp32 and a small XLA combine merges them.
+  (unnormalised accumulator, running max, running sum) in fp32 and a small kernel merges them (``merge_splits``).
 
 Splits: B * G programs already fill the GPU at a large batch; small batches or long contexts need more. The
 default picks the smallest count giving at least ``min_programs`` programs, capped so each split keeps at least
@@ -448,15 +448,43 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         out = out[:-2]
     if splits == 1:
         return out[0][:, :heads], pages
-    acc, m, l = (x[:, :, :heads] for x in out)
-    # Merge the splits (flash-decoding): rescale each split to the common max. Empty splits have m = -1e30 and
-    # l = 0, so they weigh nothing; a row with no visible key at all gets l = 0 and a zero output.
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp2(m - m_max)
-    l_sum = jnp.sum(w * l, axis=1)
-    o_sum = jnp.sum(w[..., None] * acc, axis=1)
-    o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
-    return o.astype(q.dtype), pages
+    return merge_splits(*out, heads=heads, dtype=q.dtype, interpret=interpret), pages
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits, padded_splits, head_dim):
+    # Flash-decoding's merge: each split rescaled to the common max. Empty splits have m = -1e30 and l = 0, so
+    # they weigh nothing; a row with no visible key at all gets l = 0 and a zero output.
+    b, h = pl.program_id(0), pl.program_id(1)
+    s = jnp.arange(padded_splits, dtype=jnp.int32)
+    real = s < splits
+    s = jnp.minimum(s, splits - 1)  # padded lanes re-read a real split, then weigh nothing
+    cols = jnp.arange(head_dim, dtype=jnp.int32)
+    m = jnp.where(real, pltriton.load(m_ref.at[b, s, h]), -jnp.inf)
+    l = pltriton.load(l_ref.at[b, s, h])
+    acc = pltriton.load(acc_ref.at[b, s[:, None], h, cols[None, :]])
+    w = jnp.exp2(m - jnp.max(m))
+    l_sum = jnp.sum(w * l)
+    o_sum = jnp.sum(w[:, None] * acc, axis=0)
+    out = jnp.where(l_sum > 0, o_sum / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
+    pltriton.store(o_ref.at[b, h, cols], out.astype(o_ref.dtype))
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, *, heads: int, dtype, interpret: bool = False
+                 ) -> jax.Array:
+    """The split partials (acc [B, S, H', D], running max and sum [B, S, H'], fp32; H' >= heads) merged into the
+    output [B, heads, D] in ``dtype``, as one kernel: XLA ran the merge as two fusions (~1.1 and ~1.2 µs per
+    attention layer at one row on an H200)."""
+    batch, splits, _, head_dim = acc.shape
+    kernel = functools.partial(_merge_kernel, splits=splits, padded_splits=max(16, _next_power_of_two(splits)),
+                               head_dim=head_dim)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, head_dim), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=2, num_stages=1),
+        interpret=interpret,
+        name="paged_attention_decode_merge",
+    )(acc, m, l)
 
 
 def paged_attention(q, k_pages, v_pages, block_table, first_page, q_positions, window=None):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference
-from pallas_kernels.paged_attention_decode import paged_attention, paged_attention_decode, unsupported_reason
+from pallas_kernels.paged_attention_decode import (merge_splits, paged_attention, paged_attention_decode,
+                                                   unsupported_reason)
 
 PAGES = 24
 WIDTH = 6
@@ -263,3 +264,28 @@ def test_rope_write_attention_cross_lowers_for_cuda():
         packed = (S((batch, heads + 2 * groups, dim), bf), None, None) + args[3:]  # Q/K/V heads in one buffer
         lowered = rope_write_paged_attention_decode.trace(*packed).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text().lower()
+
+
+def test_merge_kernel_matches_the_flash_decoding_merge():
+    """The split merge (one kernel) against its formula in jnp: 9 splits (not a power of two), empty splits (m =
+    -1e30, l = 0) in a row, a row whose splits are all empty (zero output, not NaN), and partials with spare head
+    rows past the merged heads (the interpreter's layout) that must not be read."""
+    rng = np.random.default_rng(0)
+    batch, splits, heads, spare, dim = 3, 9, 5, 3, 16
+    acc = jnp.asarray(rng.standard_normal((batch, splits, heads + spare, dim)), jnp.float32)
+    m = jnp.asarray(rng.standard_normal((batch, splits, heads + spare)) * 4, jnp.float32)
+    l = jnp.asarray(rng.uniform(0.5, 3, (batch, splits, heads + spare)), jnp.float32)
+    empty = np.zeros((batch, splits, heads + spare), bool)
+    empty[1, 3:] = True
+    empty[2] = True
+    m = jnp.where(empty, -1e30, m)
+    l = jnp.where(empty, 0.0, l)
+    acc = jnp.where(empty[..., None], 0.0, acc)
+    got = merge_splits(acc, m, l, heads=heads, dtype=jnp.float32, interpret=True)
+    a, mm, ll = acc[:, :, :heads], m[:, :, :heads], l[:, :, :heads]
+    w = jnp.exp2(mm - jnp.max(mm, axis=1, keepdims=True))
+    l_sum = jnp.sum(w * ll, axis=1)
+    want = jnp.sum(w[..., None] * a, axis=1) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    assert got.shape == (batch, heads, dim)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    assert not np.any(np.asarray(got[2]))  # no visible key: zeros
