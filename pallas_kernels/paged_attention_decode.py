@@ -30,7 +30,8 @@ K-split):
   running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
   which the epilogue turns into a zero output instead of NaN.
 - With one split the program writes the normalised output directly. With several splits each writes its partial
-  (unnormalised accumulator, running max, running sum) in fp32 and a small kernel merges them (``merge_splits``).
+  (unnormalised accumulator, running max, running sum) in fp32, merged by a small kernel (``merge_splits``) at one
+  or two rows, by XLA above (``MERGE_KERNEL_MAX_ROWS``).
 
 Splits: B * G programs already fill the GPU at a large batch; small batches or long contexts need more. The
 default picks the smallest count giving at least ``min_programs`` programs, capped so each split keeps at least
@@ -106,6 +107,13 @@ ONE_WAVE_PROGRAMS = 132  # an H100's or H200's SM count
 LATENCY_BLOCK_TOKENS = 64
 THROUGHPUT_BLOCK_ELEMENTS = 8192
 MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost and its share of the merge for little
+# Rows up to which the splits are merged by ``merge_splits`` (one kernel), above by XLA. XLA runs the merge as two
+# fusions, which it cannot fuse into the output projection while that is decode_gemv's kernel (one or two rows);
+# above, XLA's projection follows and the kernel was not faster. In the engine (0.5B, context 1024, H100,
+# 2026-11-28, alternating processes) the kernel took all-attention B=1 from 0.782, 0.782 to 0.769, 0.754 ms and
+# a12-g1-k11 B=1 from 0.780, 0.786 to 0.778, 0.779; at B=32 it gave 1.121, 1.111 against 1.113, 1.113
+# (all-attention) and 1.167, 1.164 against 1.157, 1.149 (a12-g1-k11). Two rows were not measured.
+MERGE_KERNEL_MAX_ROWS = 2
 
 
 def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
@@ -448,7 +456,16 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         out = out[:-2]
     if splits == 1:
         return out[0][:, :heads], pages
-    return merge_splits(*out, heads=heads, dtype=q.dtype, interpret=interpret), pages
+    if batch <= MERGE_KERNEL_MAX_ROWS:
+        return merge_splits(*out, heads=heads, dtype=q.dtype, interpret=interpret), pages
+    acc, m, l = (x[:, :, :heads] for x in out)
+    # The merge as ``_merge_kernel`` computes it, in XLA
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp2(m - m_max)
+    l_sum = jnp.sum(w * l, axis=1)
+    o_sum = jnp.sum(w[..., None] * acc, axis=1)
+    o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
+    return o.astype(q.dtype), pages
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits, padded_splits, head_dim):
@@ -472,7 +489,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits, padded_splits, head_d
 def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, *, heads: int, dtype, interpret: bool = False
                  ) -> jax.Array:
     """The split partials (acc [B, S, H', D], running max and sum [B, S, H'], fp32; H' >= heads) merged into the
-    output [B, heads, D] in ``dtype``, as one kernel: XLA ran the merge as two fusions (~1.1 and ~1.2 µs per
+    output [B, heads, D] in ``dtype``, as one kernel: XLA runs the merge as two fusions (~1.1 and ~1.2 µs per
     attention layer at one row on an H200)."""
     batch, splits, _, head_dim = acc.shape
     kernel = functools.partial(_merge_kernel, splits=splits, padded_splits=max(16, _next_power_of_two(splits)),

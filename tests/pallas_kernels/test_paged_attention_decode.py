@@ -68,6 +68,16 @@ def test_matches_reference_fp32(heads, groups, page_size, window, kw):
     _check(_inputs(0, heads, groups, page_size), window, 1e-5, **kw)
 
 
+def test_two_rows_take_the_merge_kernel_and_match_the_reference():
+    """At one or two rows the splits are merged by ``merge_splits``: rows 2 (a first page past 0, an empty entry)
+    and 3 (no visible key) of the four-row inputs, alone."""
+    x = _inputs(2, 8, 2, 8)
+    rows = {k: v[2:] for k, v in x.items()}
+    out = paged_attention_decode(**rows, window=None, interpret=True, splits=3, block_tokens=16)
+    assert _rel(out[:1], reference(**rows)[:1]) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
 def test_bf16_blocks_smaller_than_a_page():
     _check(_inputs(1, 8, 2, 32, dtype=jnp.bfloat16), 40, 1e-2, splits=2, block_tokens=16)
 
