@@ -153,7 +153,7 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
         dimensions are whole tiles (jax 0.11.2), so the tile's weight rows land in plain SMEM and are copied from
         there into the first ``plan.stage_rows`` rows of the swizzled B operand blocks; the copy stands in for the
         TMA's arrival on ``w_ready``. The operand's rows past the weight's are left as they are: they only reach
-        output columns past the projection's features, which the entry drops."""
+        output columns past the projection's features, which the entry drops or its caller never reads."""
         valid = min(N, narrow_rows - t * N)
         S = plan.stage_rows
         for c in range(blocks):
@@ -207,11 +207,11 @@ def projections(h: jax.Array, weights: tuple[jax.Array, ...], *, plan: Schedule)
             (plgpu.Barrier(num_barriers=blocks), plgpu.Barrier(num_barriers=blocks), *staging[1]),
         )
 
+    # A narrow projection's staging copy needs explicit layouts (Lane semantics): the default Warpgroup
+    # semantics' layout inference finds none for it. Without one the kernel keeps the default.
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane) if narrow else None
     return plgpu.kernel(projections_body, out_type=jax.ShapeDtypeStruct((R, sum(plan.widths)), dtype),
-                        grid=(plan.ctas,), grid_names=("p",),
-                        # explicit layouts: Warpgroup semantics' inference finds none for the staging copy
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-                        )(h, *weights)
+                        grid=(plan.ctas,), grid_names=("p",), compiler_params=params)(h, *weights)
 
 
 def unsupported_reason(x, norm_weight, weights) -> str | None:
