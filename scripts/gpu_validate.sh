@@ -16,8 +16,9 @@ pids=()
 timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_mlp.py \
   > "$out/test_decode_mlp.log" 2>&1 &
 pids+=($!)
-# the Mosaic GPU gate/up, input-projection and down-projection kernels (registered) against their jnp ops
-for kernel_test in decode_gated_product decode_projections decode_matmul_add; do
+# the Mosaic GPU gate/up, input-projection and down-projection kernels (registered) against their jnp ops, and the
+# decode attention's split merge
+for kernel_test in decode_gated_product decode_projections decode_matmul_add paged_attention_decode; do
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_$kernel_test.py \
     > "$out/test_$kernel_test.log" 2>&1 &
   pids+=($!)
@@ -43,7 +44,9 @@ done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 for log in "$out"/test_llm_*.log "$out"/test_decode_mlp.log "$out"/test_decode_gated_product.log \
-  "$out"/test_decode_projections.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done
+  "$out"/test_decode_projections.log "$out"/test_decode_matmul_add.log "$out"/test_paged_attention_decode.log; do
+  echo "$(basename "$log" .log): $(tail -1 "$log")"
+done
 for log in "$out"/parity_*.log; do
   echo "$(basename "$log" .log): $(grep -cE ' ok ' "$log") ok, $(grep -cE ' FAIL |Traceback' "$log") failed"
 done

@@ -299,3 +299,21 @@ def test_merge_kernel_matches_the_flash_decoding_merge():
     assert got.shape == (batch, heads, dim)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     assert not np.any(np.asarray(got[2]))  # no visible key: zeros
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel compiled for the GPU itself")
+@pytest.mark.parametrize("batch, splits", [(1, 9), (2, 9), (32, 4)])
+def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
+    """The merge as the 0.5B decode runs it (14 query heads of 64, bf16 output) against its formula in jnp:
+    equal but where an fp32 sum in another order lands on the other side of a bf16 step."""
+    rng = np.random.default_rng(batch)
+    heads, dim = 14, 64
+    acc = jnp.asarray(rng.standard_normal((batch, splits, heads, dim)), jnp.float32)
+    m = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 4, jnp.float32)
+    l = jnp.asarray(rng.uniform(0.5, 3, (batch, splits, heads)), jnp.float32)
+    got = jax.jit(lambda a, b, c: merge_splits(a, b, c, heads=heads, dtype=jnp.bfloat16))(acc, m, l)
+    w = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))
+    want = (jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]).astype(jnp.bfloat16)
+    diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert diff.max() <= 2 ** -7 * float(np.abs(np.asarray(want, np.float32)).max())
+    assert (diff > 0).mean() < 0.01
