@@ -37,8 +37,8 @@ def norm_projections(x: jax.Array, norm_weight: jax.Array, eps: float, weights: 
     [S, sum N_i].
 
     pad_columns: the caller reads the result only at its first sum N_i columns, so an implementation may return
-    more (a kernel's tile padding, holding anything) rather than copy its output to drop them. This function
-    returns none."""
+    more (a kernel's tile padding, holding anything) rather than copy its output to drop them. This reference
+    returns exactly sum N_i."""
     del pad_columns
     h = rms_norm(x, norm_weight, eps)
     return jnp.concatenate([_project(h, w) for w in weights], axis=-1)
@@ -51,8 +51,8 @@ def norm_projections_conv(
     """``norm_projections`` whose first C output columns go through a depthwise causal conv (silu) against the
     rows' slots of ``conv_pool`` [P, Kc-1, C] (``causal_conv1d_decode_slots``; conv_weight [C, Kc]): GDN's
     q|k|v, from the norm to the conv's output with z, b and a raw beside it. A depthwise conv's channel needs only
-    its own feature, so the kernel runs it on each projected tile. Returns [S, sum N_i] and the pool;
-    ``pad_columns`` as ``norm_projections``'."""
+    its own feature, so the kernel runs it on each projected tile. Returns [S, sum N_i] and the pool.
+    ``pad_columns``: as in ``norm_projections``."""
     proj = norm_projections(x, norm_weight, eps, weights, pad_columns)
     mixed, conv_pool = causal_conv1d_decode_slots(proj, conv_weight, conv_bias, conv_pool, slots, fresh)
     return jnp.concatenate([mixed, proj[:, conv_weight.shape[0] :]], axis=-1), conv_pool
