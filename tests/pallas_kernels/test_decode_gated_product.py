@@ -109,11 +109,11 @@ def test_kernel_matches_the_op_in_interpret_mode(rows, act):
     plan = gp.Schedule(-(-rows // 8) * 8, hidden, inter, depth=2)
     norm, gate, up = _weights(hidden, inter)
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-    h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm, 1e-5)
     with gpu_interpret() as races_found:
+        h = rms_norm(jnp.pad(x, ((0, plan.rows - rows), (0, 0))), norm, 1e-5)
         got = gp.gated_product(h, gate, up, act=act, plan=plan)[:rows]
         assert not races_found()
-    want = decode_fused.norm_gated_mlp(x, norm, 1e-5, gate, up, act)
+        want = decode_fused.norm_gated_mlp(x, norm, 1e-5, gate, up, act)
     diff = jnp.abs(got.astype(F32) - want.astype(F32))
     # the op's roundings: equal but where an fp32 sum in another order lands on the other side of a bf16 step
     assert float(jnp.max(diff)) <= 2 ** -7 * float(jnp.max(jnp.abs(want.astype(F32))))

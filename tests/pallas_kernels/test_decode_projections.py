@@ -135,7 +135,7 @@ def test_kernel_matches_the_op_in_interpret_mode(rows, widths):
     with gpu_interpret() as races_found:
         got = dp.norm_projections(x, norm, 1e-5, weights, sms=132)  # the entry: norm, row padding, kernel, slices
         assert not races_found()
-    _assert_close_to_the_op(got, decode_fused.norm_projections(x, norm, 1e-5, weights))
+        _assert_close_to_the_op(got, decode_fused.norm_projections(x, norm, 1e-5, weights))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the 0.5B geometry on the GPU itself")
