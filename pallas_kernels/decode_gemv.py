@@ -324,10 +324,13 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
 
 
 def _projection_tiles(widths) -> tuple[int, ...]:
-    """Each projection's tile: the largest of 16, 8, ... output features dividing its width. One program never
+    """Each projection's tile: the largest of 8, 4, ... output features dividing its width. One program never
     spans two projections, and a narrow one (GDN's b|a gates: 2 x 14 features) takes small tiles of its own
-    instead of shrinking the wide ones' (its q|k|v|z: 2048)."""
-    return tuple(next(b for b in (16, 8, 4, 2, 1) if w % b == 0) for w in widths)
+    instead of shrinking the wide ones' (its q|k|v|z: 2048). More programs stream the weights sooner than fewer
+    (each loads its first tiles before it can multiply): at the 0.5B geometry, 8-feature tiles instead of 16 took
+    the every2-kda step at two rows from 0.869 to 0.815 ms, and 32-feature tiles for KDA's projections (95
+    programs, one wave, instead of 183) made its one-row step 13% slower (H200, docs/BENCHMARKS.md)."""
+    return tuple(next(b for b in (8, 4, 2, 1) if w % b == 0) for w in widths)
 
 
 def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:
