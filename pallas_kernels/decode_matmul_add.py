@@ -205,8 +205,8 @@ def plan_for(x, weight, residual, sms: int | None = None) -> Schedule | None:
     if x.ndim != 2 or x.shape[0] < MIN_ROWS or unsupported_reason(x, weight, residual) is not None:
         return None
     if x.shape[1] <= weight.shape[0]:
-        # The output projection (square) stays XLA's: measured, not reasoned (its split sum also adds the residual,
-        # and the next norm is a fusion of its own either way). In the engine (0.5B, H200, 2026-11-28) the kernel
+        # The output projection (square) stays XLA's, whose split sum also adds the residual (the next norm is a
+        # fusion of its own either way), because it measured faster. In the engine (0.5B, H200, 2026-11-28) the kernel
         # on both projections took all-attention B=32 from 1.007, 0.997 to 1.004, 0.992 ms; on the down
         # projection alone to 0.974, 0.972 (against 0.997, 0.998). On an H100 (2026-11-28) the output projection
         # on the kernel too was slower: all-attention B=32 1.124, 1.115 against 1.099, 1.093
