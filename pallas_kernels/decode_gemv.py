@@ -255,8 +255,10 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
 @functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "prefetch", "block_n", "num_warps",
                                              "interpret"))
 def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 8,
-                          prefetch: bool = True, block_n: int = 16, num_warps: int = 4, interpret: bool = False):
-    """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS."""
+                          prefetch: bool = True, block_n: int = 8, num_warps: int = 4, interpret: bool = False):
+    """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS. Tiles of 8
+    features rather than 16: ~1% off the 0.5B one-row step (more programs stream the weights sooner; H200,
+    docs/BENCHMARKS.md)."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
@@ -324,13 +326,14 @@ def _norm_projections_kernel(x_ref, nw_ref, *refs, eps, rows, k_dim, chunk, dept
 
 
 def _projection_tiles(widths) -> tuple[int, ...]:
-    """Each projection's tile: the largest of 8, 4, ... output features dividing its width. One program never
+    """Each projection's tile: the largest of 4, 2, 1 output features dividing its width. One program never
     spans two projections, and a narrow one (GDN's b|a gates: 2 x 14 features) takes small tiles of its own
     instead of shrinking the wide ones' (its q|k|v|z: 2048). More programs stream the weights sooner than fewer
     (each loads its first tiles before it can multiply): at the 0.5B geometry, 8-feature tiles instead of 16 took
     the every2-kda step at two rows from 0.869 to 0.815 ms, and 32-feature tiles for KDA's projections (95
-    programs, one wave, instead of 183) made its one-row step 13% slower (H200, docs/BENCHMARKS.md)."""
-    return tuple(next(b for b in (8, 4, 2, 1) if w % b == 0) for w in widths)
+    programs, one wave, instead of 183) made its one-row step 13% slower. 4-feature tiles instead of 8 took the
+    every2-kda two-row step from 0.811 to 0.793 ms (H200, docs/BENCHMARKS.md)."""
+    return tuple(next(b for b in (4, 2, 1) if w % b == 0) for w in widths)
 
 
 def norm_projections_unsupported(x, norm_weight, eps, weights) -> str | None:

@@ -305,6 +305,14 @@ def _copy_rows(cache, source, destination, *, layers):
     return tuple(cache)
 
 
+# XLA options for the step's compilation (the CPU compiler ignores GPU options). Triton
+# multi-output fusions let XLA fuse the RMS norm before the gate/up projection into the sum of the output
+# projection's split-K partials (that sum also writes the residual): at 32 rows ~2-3% off the 0.5B decode step
+# (H200, docs/BENCHMARKS.md). XLA calls the option unsupported; the GPU validation (every golden case through
+# the engine, every placement's parity) runs with it.
+STEP_COMPILER_OPTIONS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
+
+
 class StepRunner:
     """Owns the model parameters and the jitted steps; counts compilations (each trace is one).
 
@@ -328,6 +336,7 @@ class StepRunner:
             static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters",
                              "stop_checks"),
             donate_argnums=(1,),
+            compiler_options=STEP_COMPILER_OPTIONS,
         )
         self._no_previous: dict[tuple[int, int], jax.Array] = {}
 

@@ -53,9 +53,9 @@ def test_kernels_match_the_chains(dtype):
     assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
 
     # Q/K/V-like widths (48 + 4 + 4) and a narrow gate projection (6, as GDN's b|a) beside them: each projection
-    # in tiles of its own (8, 4, 4, 2).
+    # in tiles of its own (4, 4, 4, 2).
     weights = (f(48, width), f(4, width), f(4, width), f(6, width))
-    assert kernels._projection_tiles(tuple(w.shape[0] for w in weights)) == (8, 4, 4, 2)
+    assert kernels._projection_tiles(tuple(w.shape[0] for w in weights)) == (4, 4, 4, 2)
     out = kernels.norm_projections_kernel(x, norm, 1e-5, weights, **config)
     assert out.shape == (rows, 62) and out.dtype == dtype
     assert _rel(out, reference.norm_projections(x, norm, 1e-5, weights)) <= TOLERANCE[dtype]
@@ -63,7 +63,7 @@ def test_kernels_match_the_chains(dtype):
 
 @pytest.mark.parametrize("rows, bias", [(1, False), (2, True)])
 def test_norm_projections_conv_kernel_matches_the_op(rows, bias):
-    """GDN's fused decode input: the projections kernel runs the conv (silu) on its first 32 features (four tiles
+    """GDN's fused decode input: the projections kernel runs the conv (silu) on its first 32 features (eight tiles
     of the first projection's 48; b|a-like 6 beside it) and updates the rows' pool slots (a fresh row reads
     zeros). bf16 operands, a pool in fp32; the op is the chain of ``norm_projections`` and the conv op."""
     from apriel2_jax.ops.conv import causal_conv1d_decode_slots
@@ -92,7 +92,7 @@ def test_norm_projections_conv_kernel_matches_the_op(rows, bias):
     untouched = np.setdiff1d(np.arange(5), np.asarray(slots))
     np.testing.assert_array_equal(np.asarray(new_pool)[untouched], np.asarray(pool)[untouched])
     with pytest.raises(ValueError, match="whole tiles"):
-        kernels.norm_projections_conv_kernel(x, norm, 1e-5, weights, conv_w[:20], None, pool[..., :20], slots, fresh,
+        kernels.norm_projections_conv_kernel(x, norm, 1e-5, weights, conv_w[:22], None, pool[..., :22], slots, fresh,
                                              interpret=True)
 
 
