@@ -305,12 +305,13 @@ def _copy_rows(cache, source, destination, *, layers):
     return tuple(cache)
 
 
-# XLA options for the step's compilation (the CPU compiler ignores GPU options). Triton
-# multi-output fusions let XLA fuse the RMS norm before the gate/up projection into the sum of the output
-# projection's split-K partials (that sum also writes the residual): at 32 rows ~2-3% off the 0.5B decode step
-# (H200, docs/BENCHMARKS.md). XLA calls the option unsupported; the GPU validation (every golden case through
-# the engine, every placement's parity) runs with it.
-STEP_COMPILER_OPTIONS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
+# XLA options for the decode steps' compilation (one token per row; the CPU compiler ignores GPU options). Triton
+# multi-output fusions, meant to let XLA fuse the RMS norm before the gate/up projection into the sum of the output
+# projection's split-K partials (that sum also writes the residual), took ~2-3% off the 0.5B decode step at 32
+# rows (H200, docs/BENCHMARKS.md). Prefill steps, where they were not measured, compile without them. XLA calls
+# the option unsupported; the GPU validation (every golden case through the engine, every placement's parity)
+# runs with it.
+DECODE_COMPILER_OPTIONS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
 
 
 class StepRunner:
@@ -331,13 +332,14 @@ class StepRunner:
         self.compilations = 0
         self.log = log
         self._cache_specs: dict = {}
-        self._step = jax.jit(
-            self._step_fn,
+        jit = functools.partial(
+            jax.jit,
             static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters",
                              "stop_checks"),
             donate_argnums=(1,),
-            compiler_options=STEP_COMPILER_OPTIONS,
         )
+        self._prefill_step = jit(self._step_fn)
+        self._decode_step = jit(self._step_fn, compiler_options=DECODE_COMPILER_OPTIONS)
         self._no_previous: dict[tuple[int, int], jax.Array] = {}
 
     def _step_fn(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, cache_specs, **static):
@@ -453,7 +455,8 @@ class StepRunner:
         leaves, cache_tree = jax.tree.flatten(cache)
         stop_checks = stop_checks and stop_check_group(decode_steps) < decode_steps  # one compiled variant if equal
         compilations, start = self.compilations, time.monotonic()
-        outputs, leaves = self._step(
+        step = self._decode_step if inputs.layout.tokens == 1 else self._prefill_step
+        outputs, leaves = step(
             self.param_leaves,
             leaves,
             inputs.ints,

@@ -230,7 +230,7 @@ def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, 
     inputs = build_inputs(ScheduledStep("prefill", (), ()), (4, 1), llm.cache_manager)
     leaves, tree = jax.tree.flatten(llm._cache)
     previous = np.zeros((2 * decode_steps + 3, 4), np.int32)
-    compiled = runner._step.lower(
+    compiled = runner._decode_step.lower(
         runner.param_leaves, leaves, inputs.ints, inputs.floats, previous, cache_tree=tree, cache_specs=None,
         layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False,
         stop_checks=stop_checks).compile()
