@@ -46,11 +46,15 @@ def test_kernels_match_the_chains(dtype):
         out = kernels.matmul_add_kernel(x, weight, residual, block_n=16, prefetch=prefetch, **config)
         assert out.shape == residual.shape and out.dtype == dtype
         assert _rel(out, reference.matmul_add(x, weight, residual)) <= TOLERANCE[dtype]
+    # and at its default tiles of 4: 42 features end in a ragged tile of 2
+    weight42, residual42 = f(42, width), f(rows, 42)
+    out = kernels.matmul_add_kernel(x, weight42, residual42, **config)
+    assert _rel(out, reference.matmul_add(x, weight42, residual42)) <= TOLERANCE[dtype]
 
-    # The gate/up kernel at its default tiles of 8: 44 features end in a ragged tile of 4.
-    gate, up = f(44, width), f(44, width)
+    # The gate/up kernel at its default tiles of 4: 42 features end in a ragged tile of 2.
+    gate, up = f(42, width), f(42, width)
     out = kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", **config)
-    assert out.shape == (rows, 44) and out.dtype == dtype
+    assert out.shape == (rows, 42) and out.dtype == dtype
     assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
 
     # Q/K/V-like widths (48 + 4 + 4) and a narrow gate projection (6, as GDN's b|a) beside them: each projection
