@@ -2,6 +2,7 @@
 """The persistent decode MLP kernel (``pallas_kernels/decode_mlp``) against the paths the engine runs without it.
 
     python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
+                                       [--same-weights]
                                        [--json PATH]
 
 First the kernel's and the dispatched path's outputs against the jnp oracle
@@ -15,6 +16,9 @@ path twice in alternating order:
   kernel (``decode_matmul_add``), XLA elsewhere;
 - **xla**: the jnp chain, compiled by XLA alone;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
+
+``--same-weights`` chains the first layer's weights ``--layers`` times instead (26 MB at the 0.5B geometry, which
+stays in a Hopper GPU's 50 MB L2): against the default it tells how much a path's time depends on HBM.
 
 TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
 kernel's per-CTA phases from Mosaic GPU's profiler (µs from the first CTA's first event; the profiler's own
@@ -126,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smem-kb", type=int, default=None, help="the kernel's SMEM budget per CTA in KiB (default "
                     f"{decode_mlp.SMEM_BYTES // 1024}; a Hopper CTA may use 227)")
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
+    ap.add_argument("--same-weights", action="store_true", help="chain the first layer's weights --layers times "
+                    "(L2-resident at the 0.5B geometry) instead of --layers distinct layers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -152,7 +158,9 @@ def main(argv=None) -> int:
     mbytes = 3 * hidden * inter * 2 / 1e6
     print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers of [{hidden} -> {inter}] "
           f"({mbytes:.1f} MB of weights each)", flush=True)
-    layers = [mlp_weights(seed, hidden, inter) for seed in range(args.layers)]
+    layers = [mlp_weights(seed, hidden, inter) for seed in range(1 if args.same_weights else args.layers)]
+    if args.same_weights:
+        layers = layers * args.layers
     checks = [c for rows in args.rows for c in check(rows, layers[0], hidden)]
     print_rows(checks)
     if not all(c["ok"] for c in checks):
@@ -172,7 +180,8 @@ def main(argv=None) -> int:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
             seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
             us = seconds / args.layers * 1e6
-            rows_out.append(dict(device=device, rows=rows, path=name, us_per_layer=round(us, 2),
+            rows_out.append(dict(device=device, rows=rows, path=name,
+                                 weights="same" if args.same_weights else "distinct", us_per_layer=round(us, 2),
                                  tb_s=round(mbytes / us, 2), pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
             print(f"rows {rows} {name}: {us:.2f} µs per layer", flush=True)
     if args.profile:
