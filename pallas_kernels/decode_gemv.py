@@ -210,9 +210,8 @@ def matmul_add_unsupported(x, weight, residual) -> str | None:
 def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: int = 4, prefetch: bool = True,
                       block_n: int = 4, num_warps: int = 8, interpret: bool = False):
     """``residual + x @ weight.T`` ([S, K] x [N, K] -> [S, N]) in one kernel, S <= MAX_ROWS. Tiles of 4 features
-    (224 programs for the 0.5B geometry's 896 outputs, on 132 SMs): with the gate/up kernel's 4-feature tiles,
-    2-3% off the 0.5B steps at one and two rows against 8; 2-feature tiles were slower (H200,
-    docs/BENCHMARKS.md)."""
+    (224 programs for the 0.5B geometry's 896 outputs, on 132 SMs): against 8, ~1% off the 0.5B one-row step and
+    2-3% off the two-row step; 2-feature tiles were 3-4% slower at two rows (H200, 0.5B only, docs/BENCHMARKS.md)."""
     reason = matmul_add_unsupported(x, weight, residual)
     if reason is not None:
         raise ValueError(f"matmul_add: {reason}")
@@ -260,8 +259,8 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
 def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 8,
                           prefetch: bool = True, block_n: int = 4, num_warps: int = 4, interpret: bool = False):
     """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS. Tiles of 4
-    features: more programs stream the weights sooner (8 against 16: ~1% off the 0.5B one-row step; 4 against 8
-    with matmul_add's 4-feature tiles: 2-3%; H200, docs/BENCHMARKS.md)."""
+    features: 8 against 16 took ~1% off the 0.5B one-row step, 4 against 8 alone ~0.7% (within the processes'
+    spread), and with matmul_add's 4-feature tiles the pair 2-3% (H200, 0.5B only, docs/BENCHMARKS.md)."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")

@@ -15,10 +15,12 @@ path twice in alternating order:
   GEMV kernels where they take the rows, from 8 rows the gate/up kernel (``decode_gated_product``) then the down
   kernel (``decode_matmul_add``), XLA elsewhere;
 - **xla**: the jnp chain, compiled by XLA alone;
-- **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included).
+- **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included); below its
+  ``MIN_ROWS`` (one row) it runs the dispatched ops.
 
 ``--same-weights`` chains the first layer's weights ``--layers`` times instead (26 MB at the 0.5B geometry, which
-stays in a Hopper GPU's 50 MB L2): against the default it tells how much a path's time depends on HBM.
+can stay in a Hopper GPU's 50 MB L2; the hit rate is not measured): against the default, how much a path gains
+when its weights were just read. Its TB/s and % columns still divide the weights' bytes by the time.
 
 TB/s is the weights' bytes over the time (the activations are a few KB). ``--profile`` adds, per row count, the
 kernel's per-CTA phases from Mosaic GPU's profiler (µs from the first CTA's first event; the profiler's own
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
                     f"{decode_mlp.SMEM_BYTES // 1024}; a Hopper CTA may use 227)")
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
     ap.add_argument("--same-weights", action="store_true", help="chain the first layer's weights --layers times "
-                    "(L2-resident at the 0.5B geometry) instead of --layers distinct layers")
+                    "(26 MB at the 0.5B geometry: can stay in L2) instead of --layers distinct layers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -156,8 +158,9 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     bandwidth = hbm_bandwidth()
     mbytes = 3 * hidden * inter * 2 / 1e6
+    weights = "one layer's weights, chained" if args.same_weights else "distinct weights"
     print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers of [{hidden} -> {inter}] "
-          f"({mbytes:.1f} MB of weights each)", flush=True)
+          f"({mbytes:.1f} MB of weights each; {weights})", flush=True)
     layers = [mlp_weights(seed, hidden, inter) for seed in range(1 if args.same_weights else args.layers)]
     if args.same_weights:
         layers = layers * args.layers

@@ -49,13 +49,15 @@ def test_kernels_match_the_chains(dtype):
     # and at its default tiles of 4: 42 features end in a ragged tile of 2
     weight42, residual42 = f(42, width), f(rows, 42)
     out = kernels.matmul_add_kernel(x, weight42, residual42, **config)
+    assert out.shape == residual42.shape and out.dtype == dtype
     assert _rel(out, reference.matmul_add(x, weight42, residual42)) <= TOLERANCE[dtype]
 
-    # The gate/up kernel at its default tiles of 4: 42 features end in a ragged tile of 2.
-    gate, up = f(42, width), f(42, width)
-    out = kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", **config)
-    assert out.shape == (rows, 42) and out.dtype == dtype
-    assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
+    # The gate/up kernel at its default tiles of 4 (42 features end in a ragged tile of 2) and at 16 (40: 8)
+    for n, tiles in ((42, {}), (40, {"block_n": 16})):
+        gate, up = f(n, width), f(n, width)
+        out = kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", **tiles, **config)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        assert _rel(out, reference.norm_gated_mlp(x, norm, 1e-5, gate, up, "silu")) <= TOLERANCE[dtype]
 
     # Q/K/V-like widths (48 + 4 + 4) and a narrow gate projection (6, as GDN's b|a) beside them: each projection
     # in tiles of its own (4, 4, 4, 2).
