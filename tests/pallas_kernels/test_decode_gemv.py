@@ -154,3 +154,19 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, width, heads, groups, 
         ):
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text.lower()
+
+
+def test_ragged_last_tiles_cross_lower_for_cuda():
+    """A width the 4-feature tiles do not divide takes the masked stores on the GPU (interpret mode writes spare
+    columns instead): they must lower too."""
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    x, norm = S((1, 128), bf), S((128,), bf)
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        for fn, args in (
+            (kernels.matmul_add_kernel, (x, S((42, 128), bf), S((1, 42), bf))),
+            (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((42, 128), bf), S((42, 128), bf), "silu")),
+        ):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text.lower()
