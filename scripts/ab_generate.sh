@@ -22,8 +22,8 @@ start=$(date +%s)
 mkdir -p "$out"
 out=$(realpath "$out")
 work=$(mktemp -d)
-copy() {  # the tree as it is here (tracked and untracked files), without .git
-  mkdir -p "$1" && tar -c --exclude=./.git . | tar -x -C "$1"
+copy() {  # the tree as it is here (tracked and untracked files), without .git and a local .venv
+  mkdir -p "$1" && tar -c --exclude=./.git --exclude=./.venv . | tar -x -C "$1"
 }
 copy "$work/base"
 spec_no=0

@@ -135,25 +135,21 @@ def test_cross_lowers_for_cuda_at_production_shapes(rows, width, heads, groups, 
     S = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     x, norm = S((rows, width), bf), S((width,), bf)
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for fn, args in (
-            (kernels.matmul_add_kernel, (S((rows, inner), bf), S((width, inner), bf), x)),
-            (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((inner, width), bf), S((inner, width), bf), "silu")),
-            (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((heads * head_dim, width), bf),
-                                                               S((groups * head_dim, width), bf),
-                                                               S((groups * head_dim, width), bf)))),
-            # GDN's input projections: q|k|v|z and the b|a gates (2 x value heads wide)
-            (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((2 * (groups + heads) * head_dim, width), bf),
-                                                               S((2 * heads, width), bf)))),
-            # ... with the conv on q|k|v (its pool aliased)
-            (kernels.norm_projections_conv_kernel,
-             (x, norm, 1e-5, (S((2 * (groups + heads) * head_dim, width), bf), S((2 * heads, width), bf)),
-              S(((2 * groups + heads) * head_dim, 4), bf), None, S((9, 3, (2 * groups + heads) * head_dim), bf),
-              S((rows,), jnp.int32), S((rows,), jnp.bool_))),
-        ):
-            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "triton" in text.lower()
+    _assert_lowers_for_cuda((
+        (kernels.matmul_add_kernel, (S((rows, inner), bf), S((width, inner), bf), x)),
+        (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((inner, width), bf), S((inner, width), bf), "silu")),
+        (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((heads * head_dim, width), bf),
+                                                           S((groups * head_dim, width), bf),
+                                                           S((groups * head_dim, width), bf)))),
+        # GDN's input projections: q|k|v|z and the b|a gates (2 x value heads wide)
+        (kernels.norm_projections_kernel, (x, norm, 1e-5, (S((2 * (groups + heads) * head_dim, width), bf),
+                                                           S((2 * heads, width), bf)))),
+        # ... with the conv on q|k|v (its pool aliased)
+        (kernels.norm_projections_conv_kernel,
+         (x, norm, 1e-5, (S((2 * (groups + heads) * head_dim, width), bf), S((2 * heads, width), bf)),
+          S(((2 * groups + heads) * head_dim, 4), bf), None, S((9, 3, (2 * groups + heads) * head_dim), bf),
+          S((rows,), jnp.int32), S((rows,), jnp.bool_))),
+    ))
 
 
 def test_ragged_last_tiles_cross_lower_for_cuda():
@@ -162,11 +158,16 @@ def test_ragged_last_tiles_cross_lower_for_cuda():
     S = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     x, norm = S((1, 128), bf), S((128,), bf)
+    _assert_lowers_for_cuda((
+        (kernels.matmul_add_kernel, (x, S((42, 128), bf), S((1, 42), bf))),
+        (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((42, 128), bf), S((42, 128), bf), "silu")),
+    ))
+
+
+def _assert_lowers_for_cuda(cases):
+    """Each (kernel, abstract arguments) lowers for CUDA, on an abstract H100, to a Triton call."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        for fn, args in (
-            (kernels.matmul_add_kernel, (x, S((42, 128), bf), S((1, 42), bf))),
-            (kernels.norm_gated_mlp_kernel, (x, norm, 1e-5, S((42, 128), bf), S((42, 128), bf), "silu")),
-        ):
+        for fn, args in cases:
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text.lower()
