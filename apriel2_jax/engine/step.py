@@ -309,8 +309,8 @@ def _copy_rows(cache, source, destination, *, layers):
 # multi-output fusions, meant to let XLA fuse the RMS norm before the gate/up projection into the sum of the output
 # projection's split-K partials (that sum also writes the residual), took ~2-3% off the 0.5B decode step at 32
 # rows (H200, docs/BENCHMARKS.md). Prefill steps, where they were not measured, compile without them. XLA calls
-# the option unsupported: every golden case's engine test passed with it on the GPU; the parity check there runs
-# ModelRunner, not this step, and the chained-decode tests were not completed with it on the GPU.
+# the option unsupported: every golden case's engine test and the chained-decode tests (stops and aborts inside
+# chained dispatches) passed with it on the GPU; the parity check there runs ModelRunner, not this step.
 DECODE_COMPILER_OPTIONS = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
 
 
