@@ -2,7 +2,7 @@
 """The persistent decode MLP kernel (``pallas_kernels/decode_mlp``) against the paths the engine runs without it.
 
     python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
-                                       [--same-weights] [--dataflow]
+                                       [--same-weights]
                                        [--json PATH]
 
 First the kernel's and the dispatched path's outputs against the jnp oracle
@@ -17,12 +17,6 @@ path twice in alternating order:
 - **xla**: the jnp chain, compiled by XLA alone;
 - **kernel**: ``decode_mlp.gated_mlp_residual`` (padding to 8 rows and the residual add included); below its
   ``MIN_ROWS`` (one row) it runs the dispatched ops.
-
-``--dataflow`` adds, at one row, ``decode_gemv_mlp`` (the GEMV kernels' gate/up and down programs in one grid,
-the down programs waiting on a counter): **dataflow** with a fresh zeroed counter buffer per layer (the op's
-signature, as the engine would call it) and **dataflow_threaded** with one buffer threaded through the chain (the
-kernel returns it zeroed), which leaves out the zeroing's cost; **dataflow_lazy** threads it too, with the down
-programs' weight loads after their wait (the down GEMV kernel's loop).
 
 ``--same-weights`` chains the first layer's weights ``--layers`` times instead (26 MB at the 0.5B geometry, which
 can stay in a Hopper GPU's 50 MB L2; the hit rate is not measured): against the default, how much a path gains
@@ -54,7 +48,7 @@ import pallas_kernels  # noqa: E402,F401  (registers the GPU kernels)
 from apriel2_jax import dispatch  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops import decode_fused  # noqa: E402
-from pallas_kernels import decode_gemv_mlp, decode_mlp  # noqa: E402
+from pallas_kernels import decode_mlp  # noqa: E402
 
 F32 = jnp.float32
 EPS = 1e-5
@@ -85,27 +79,11 @@ def kernel(x, norm, gate, up, down):
     return _kernel(x, norm, EPS, gate, up, down, "silu")
 
 
-def dataflow(x, norm, gate, up, down):
-    return decode_gemv_mlp.gated_mlp_residual(x, norm, EPS, gate, up, down, "silu")
-
-
-def dataflow_threaded(carry, norm, gate, up, down, preload=True):
-    x, sync = carry
-    return decode_gemv_mlp.gated_mlp_residual_kernel(x, norm, EPS, gate, up, down, "silu", sync, preload=preload)
-
-
-def dataflow_lazy(carry, norm, gate, up, down):
-    return dataflow_threaded(carry, norm, gate, up, down, preload=False)
-
-
-def check(rows: int, weights, hidden: int, with_dataflow: bool = False) -> list[dict]:
+def check(rows: int, weights, hidden: int) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
     want = jax.jit(xla)(x, *weights).astype(F32)
     out = []
-    paths = (("kernel", kernel), ("dispatched", dispatched))
-    if with_dataflow and rows <= decode_gemv_mlp.KERNEL_ROWS:
-        paths += (("dataflow", dataflow),)
-    for name, path in paths:
+    for name, path in (("kernel", kernel), ("dispatched", dispatched)):
         got = jax.jit(path)(x, *weights).astype(F32)
         err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
         out.append(dict(rows=rows, path=name, max_abs_err=round(err, 4), tolerance=round(2 ** -6 * scale, 4),
@@ -156,7 +134,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
     ap.add_argument("--same-weights", action="store_true", help="chain the first layer's weights --layers times "
                     "(26 MB at the 0.5B geometry: can stay in L2) instead of --layers distinct layers")
-    ap.add_argument("--dataflow", action="store_true", help="add decode_gemv_mlp's paths at one row (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -187,7 +164,7 @@ def main(argv=None) -> int:
     layers = [mlp_weights(seed, hidden, inter) for seed in range(1 if args.same_weights else args.layers)]
     if args.same_weights:
         layers = layers * args.layers
-    checks = [c for rows in args.rows for c in check(rows, layers[0], hidden, args.dataflow)]
+    checks = [c for rows in args.rows for c in check(rows, layers[0], hidden)]
     print_rows(checks)
     if not all(c["ok"] for c in checks):
         return 1
@@ -202,14 +179,9 @@ def main(argv=None) -> int:
     rows_out = []
     paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
     for rows in args.rows:
-        order = paths + paths[:2]
-        if args.dataflow and rows <= decode_gemv_mlp.KERNEL_ROWS:
-            order = (("dispatched", dispatched), ("dataflow", dataflow), ("dataflow_threaded", dataflow_threaded),
-                     ("dataflow_lazy", dataflow_lazy)) * 2
-        for name, path in order:
+        for name, path in paths + paths[:2]:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-            carry = (x, jnp.zeros((2,), jnp.int32)) if name in ("dataflow_threaded", "dataflow_lazy") else x
-            seconds, _ = time_looped(chain(path), [layers], carry, steps=20, repeats=5)
+            seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
             us = seconds / args.layers * 1e6
             rows_out.append(dict(device=device, rows=rows, path=name,
                                  weights="same" if args.same_weights else "distinct", us_per_layer=round(us, 2),

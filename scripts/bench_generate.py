@@ -154,9 +154,6 @@ def main(argv=None) -> int:
                     help="decode MLPs of 2-32 rows as the persistent MLP kernel of pallas_kernels/decode_mlp (not "
                     "registered by default) instead of XLA's GEMMs; one row and tensor-parallel rows keep the other "
                     "path")
-    ap.add_argument("--dataflow-mlp", action="store_true",
-                    help="one-row decode MLPs as the one-grid GEMV kernel of pallas_kernels/decode_gemv_mlp (not "
-                    "registered by default); other row counts keep the dispatched kernels")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="measure a decode dispatch's fixed cost instead (see the module docstring)")
     ap.add_argument("--sampler", action="store_true",
@@ -174,18 +171,12 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=_step_fn").strip()
     if args.unfused_decode_attention:
         dispatch.unregister("rope_write_paged_attention")
-    if args.decode_mlp_kernel and args.dataflow_mlp:
-        ap.error("--decode-mlp-kernel and --dataflow-mlp both register gated_mlp_residual: choose one")
     if args.decode_mlp_kernel and args.xla_decode_projections:
         ap.error("--decode-mlp-kernel and --xla-decode-projections exclude each other (the latter is the XLA baseline)")
     if args.decode_mlp_kernel:
         from pallas_kernels import decode_mlp
 
         dispatch.register("gated_mlp_residual", "gpu", decode_mlp.gated_mlp_residual)
-    if args.dataflow_mlp:
-        from pallas_kernels import decode_gemv_mlp
-
-        dispatch.register("gated_mlp_residual", "gpu", decode_gemv_mlp.gated_mlp_residual)
     if args.xla_decode_projections:
         for name in ("norm_projections", "norm_gated_mlp", "matmul_add"):
             dispatch.unregister(name)
