@@ -40,7 +40,7 @@ from .decode_mlp import ACTIVATIONS, BLOCK_K, TILE, _bf16_tiles, gated_product_t
 MAX_ROWS = 32
 MIN_ROWS = 8  # fewer rows: XLA's GEMV fusions, with the norm inside, or decode_gemv's kernel at one row. In the
 # engine (0.5B, H200, 2026-11-27) the kernel took all-attention B=4 from 0.865 to 0.891 ms and B=2 from 0.790 to
-# 0.835, and B=8 from 0.869-0.878 to 0.860-0.862; at one row (2026-11-29) 0.71 against decode_gemv's 0.65
+# 0.835, and B=8 from 0.869-0.878 to 0.860-0.862; at one row (2026-11-29) from decode_gemv's 0.65 to 0.71
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
 
 

@@ -50,8 +50,8 @@ F32 = jnp.float32
 TILE = 64  # output features per cluster (wgmma's N)
 MAX_CLUSTER = 8  # the portable cluster size
 MAX_ROWS = 32
-MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows; the kernel there took the all-attention B=1
-# step from 0.64 to 0.76 ms, 0.5B, H200, 2026-11-29) or XLA's GEMV fusions
+MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows) or XLA's GEMV fusions; this kernel at one row took
+# the all-attention B=1 step from 0.64 to 0.76 ms (0.5B, H200, 2026-11-29)
 PAIR_LAYOUT = plgpu.Layout.WG_STRIDED((2, TILE), vec_size=1)  # two rows of a tile: one element per thread
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
 

@@ -57,8 +57,8 @@ STAGE_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((16, 64), (4, 64), (8,))), war
 M = 64  # wgmma's M: the rows, padded in SMEM
 TILES = (16, 32, 64)  # output features per CTA, narrowest first: more CTAs stream the weights sooner
 MAX_ROWS = 32
-MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows; the kernel there took the all-attention B=1
-# step from 0.64 to 0.76 ms, 0.5B, H200, 2026-11-29) or XLA's GEMV fusions
+MIN_ROWS = 8  # fewer rows: decode_gemv's kernel (one or two rows) or XLA's GEMV fusions; this kernel at one row took
+# the all-attention B=1 step from 0.64 to 0.76 ms (0.5B, H200, 2026-11-29)
 SMEM_BYTES = 220 * 1024  # of the 227 KB a Hopper CTA may use: headroom for barriers and Mosaic's scratch
 
 
