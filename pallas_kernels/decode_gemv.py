@@ -256,11 +256,18 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
 
 @functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "prefetch", "block_n", "num_warps",
                                              "interpret"))
-def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 8,
+def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 2,
                           prefetch: bool = True, block_n: int = 4, num_warps: int = 4, interpret: bool = False):
     """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS. Tiles of 4
     features: 8 against 16 took ~1% off the 0.5B one-row step, 4 against 8 alone ~0.7% (within the processes'
-    spread), and with matmul_add's 4-feature tiles the pair 2-3% (H200, 0.5B only, docs/BENCHMARKS.md)."""
+    spread), and with matmul_add's 4-feature tiles the pair 2-3% (H200, 0.5B only, docs/BENCHMARKS.md).
+
+    Groups of 2 chunks (two groups in flight with the prefetch), not all 7 of the 0.5B input at once: the
+    registers of the loads in flight bound how many programs an SM holds. With all 7, Nsight Compute read 72
+    registers per thread, 7 programs per SM and 1.32 waves of the 1216 programs (H200); fewer loads in flight
+    need fewer registers, so more programs fit (not read at 2). The one-row step: all-attention 0.630, 0.630 ms
+    against 0.648, 0.645, pure-gdn 0.596, 0.597 against 0.607, 0.612 (docs/BENCHMARKS.md). The grouping only
+    orders the loads: the outputs are the same."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
