@@ -254,23 +254,37 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
     return reason
 
 
+NARROW_INPUT_CHUNKS = 8  # inputs of up to this many chunks load 2 chunks ahead in the gate/up GEMV
+
+
+def gated_mlp_depth(k_dim: int, chunk: int | None) -> int:
+    """The gate/up GEMV's default group of chunks (``norm_gated_mlp_kernel``): 2 for inputs of up to
+    ``NARROW_INPUT_CHUNKS`` chunks (measured at the 0.5B's 896), else 8."""
+    return 2 if chunk and k_dim // chunk <= NARROW_INPUT_CHUNKS else 8
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "prefetch", "block_n", "num_warps",
                                              "interpret"))
-def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None, depth: int = 2,
-                          prefetch: bool = True, block_n: int = 4, num_warps: int = 4, interpret: bool = False):
+def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int | None = None,
+                          depth: int | None = None, prefetch: bool = True, block_n: int = 4, num_warps: int = 4,
+                          interpret: bool = False):
     """``act(gate(rmsnorm(x))) * up(rmsnorm(x))`` ([S, D] -> [S, I]) in one kernel, S <= MAX_ROWS. Tiles of 4
     features: 8 against 16 took ~1% off the 0.5B one-row step, 4 against 8 alone ~0.7% (within the processes'
     spread), and with matmul_add's 4-feature tiles the pair 2-3% (H200, 0.5B only, docs/BENCHMARKS.md).
 
-    Groups of 2 chunks (two groups in flight with the prefetch), not all 7 of the 0.5B input at once: the
-    registers of the loads in flight bound how many programs an SM holds. With all 7, Nsight Compute read 72
-    registers per thread, 7 programs per SM and 1.32 waves of the 1216 programs (H200); fewer loads in flight
-    need fewer registers, so more programs fit (not read at 2). The one-row step: all-attention 0.630, 0.630 ms
-    against 0.648, 0.645, pure-gdn 0.596, 0.597 against 0.607, 0.612 (docs/BENCHMARKS.md). The grouping only
-    orders the loads: the outputs are the same."""
+    ``depth`` (default ``gated_mlp_depth``): groups of 2 chunks (two groups in flight with the prefetch) for
+    inputs of up to ``NARROW_INPUT_CHUNKS`` chunks, not all 7 of the 0.5B input at once: the registers of the
+    loads in flight bound how many programs an SM holds. With all 7, Nsight Compute read 72 registers per thread,
+    7 programs per SM and 1.32 waves of the 1216 programs (H200); fewer loads in flight need fewer registers, so
+    more programs fit (not read at 2). The one-row step: all-attention 0.630, 0.630 ms against 0.648, 0.645,
+    pure-gdn 0.596, 0.597 against 0.607, 0.612 (docs/BENCHMARKS.md). Wider inputs (the 15B's 5120: 20 chunks)
+    keep groups of 8, where the change was not measured. The grouping only orders the loads: the outputs are the
+    same."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
+    if depth is None:
+        depth = gated_mlp_depth(x.shape[1], _chunk(x.shape[1], chunk))
     n_dim = w_gate.shape[0]
     kernel = functools.partial(_gated_mlp_kernel, eps=eps, act=act, rows=x.shape[0], k_dim=x.shape[1],
                                chunk=_chunk(x.shape[1], chunk), depth=depth, prefetch=prefetch, n_dim=n_dim,

@@ -68,6 +68,21 @@ def test_kernels_match_the_chains(dtype):
     assert _rel(out, reference.norm_projections(x, norm, 1e-5, weights)) <= TOLERANCE[dtype]
 
 
+def test_gate_up_load_groups_change_no_output():
+    """The groups of chunks loaded ahead only order the loads: at one row (the dispatched case) the gate/up
+    kernel's output is bitwise the same at its default for a narrow input (2), at all chunks at once and at one.
+    The default is 2 up to ``NARROW_INPUT_CHUNKS`` chunks (the 0.5B's 896 = 7 x 128) and 8 above (the 15B's 5120
+    = 20 x 256)."""
+    assert kernels.gated_mlp_depth(896, kernels._chunk(896, None)) == 2
+    assert kernels.gated_mlp_depth(5120, kernels._chunk(5120, None)) == 8
+    f = _rand(np.random.default_rng(1), jnp.bfloat16)
+    x, norm, gate, up = f(1, 224), f(224), f(12, 224), f(12, 224)  # 7 chunks of 32
+    outs = [np.asarray(kernels.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu", chunk=32, depth=depth,
+                                                     interpret=True), np.float32) for depth in (None, 7, 1)]
+    assert kernels.gated_mlp_depth(224, 32) == 2
+    assert all(np.array_equal(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("rows, bias", [(1, False), (2, True)])
 def test_norm_projections_conv_kernel_matches_the_op(rows, bias):
     """GDN's fused decode input: the projections kernel runs the conv (silu) on its first 32 features (eight tiles
