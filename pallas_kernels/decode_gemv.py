@@ -114,6 +114,8 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
     per warp. The norm's sums of squares come after the first group's loads are issued, so the weights stream
     while it runs. Products accumulate elementwise and are reduced across the chunk once at the end: a reduction
     per chunk synchronises the program's threads between its loads."""
+    if depth < 1:
+        raise ValueError(f"depth={depth}: the chunks loaded per group must be at least 1")
     chunks = k_dim // chunk
     groups = [range(first, min(first + depth, chunks)) for first in range(0, chunks, depth)]
 
@@ -273,13 +275,12 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
     spread), and with matmul_add's 4-feature tiles the pair 2-3% (H200, 0.5B only, docs/BENCHMARKS.md).
 
     ``depth`` (default ``gated_mlp_depth``): groups of 2 chunks (two groups in flight with the prefetch) for
-    inputs of up to ``NARROW_INPUT_CHUNKS`` chunks, not all 7 of the 0.5B input at once: the registers of the
-    loads in flight bound how many programs an SM holds. With all 7, Nsight Compute read 72 registers per thread,
-    7 programs per SM and 1.32 waves of the 1216 programs (H200); fewer loads in flight need fewer registers, so
-    more programs fit (not read at 2). The one-row step: all-attention 0.630, 0.630 ms against 0.648, 0.645,
-    pure-gdn 0.596, 0.597 against 0.607, 0.612 (docs/BENCHMARKS.md). Wider inputs (the 15B's 5120: 20 chunks)
-    keep groups of 8, where the change was not measured. The grouping only orders the loads: the outputs are the
-    same."""
+    inputs of up to ``NARROW_INPUT_CHUNKS`` chunks, not all 7 of the 0.5B input at once. With all 7, Nsight
+    Compute read 72 registers per thread, registers limiting an SM to 7 programs, and 1.32 waves of the 1216
+    programs (H200); fewer loads in flight were expected to need fewer registers (not read at 2). The one-row
+    step: all-attention 0.630, 0.630 ms against 0.648, 0.645, pure-gdn 0.596, 0.597 against 0.607, 0.612
+    (docs/BENCHMARKS.md). Wider inputs (the 15B's 5120: 20 chunks) keep groups of 8, where the change was not
+    measured. The grouping only orders the loads: in interpret mode the outputs are bitwise the same."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
