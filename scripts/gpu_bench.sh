@@ -9,8 +9,9 @@
 # PART "tp_parity" / "tp_bench": tensor parallelism; "prefix" / "prefix15b": prefix caching (see below);
 # "kv15b": time to first token of an 8K prefix loaded through the KV connector (host, disk) vs recomputed.
 # PART "prefill05b": prefill with the defaults, prefill steps chained against one at a time.
-# PART "profile05b": traces of the 0.5B decode steps, each top kernel named with its source lines.
-# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|profile05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
+# PART "profile05b": traces of the 0.5B decode steps, each top kernel named with its source lines; "ncu05b": Nsight
+# Compute on the one-row decode GEMV kernels (scripts/profile_decode_gemv.py).
+# Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|profile05b|ncu05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
 set -u
 out=${1:-/tmp/gpu_bench}
 part=${2:-prefill}
@@ -77,6 +78,13 @@ elif [ "$part" = profile05b ]; then
     --placement ${PLACEMENTS:-all-attention every2-kda a12-g1-k11 pure-gdn} --batch 1 32 --prompt-len 1024 \
     --output-len 32 --prefill-batch 1 --trace --hlo-dir "$out/hlo"
   grep -E "^decode |^  busy|^ +[0-9.]+ us " "$out/profile05b.log" | head -200
+elif [ "$part" = ncu05b ]; then
+  # Nsight Compute on the one-row decode GEMV kernels at the 0.5B geometry (scripts/profile_decode_gemv.py):
+  # registers, occupancy, waves, DRAM throughput and duration of each kernel's second call.
+  step ncu05b 400 ncu --clock-control none -k regex:gemv --launch-skip 4 --launch-count 4 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats python3 scripts/profile_decode_gemv.py
+  grep -E "^  gemv_|Registers Per Thread|Block Limit Registers|Waves Per SM|Achieved Occupancy|DRAM Throughput|Duration" \
+    "$out/ncu05b.log"
 elif [ "$part" = engine15b ]; then
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
@@ -147,7 +155,7 @@ elif [ "$part" = kv15b ]; then
     --json "$out/kv_15b.jsonl"
   rm -rf "$out/kv_store"
 else
-  echo "PART must be prefill, others, engine05b, prefill05b, engine15b, tp_parity, tp_bench, prefix, prefix15b or kv15b, got '$part'" >&2
+  echo "PART must be prefill, others, engine05b, prefill05b, profile05b, ncu05b, engine15b, tp_parity, tp_bench, prefix, prefix15b or kv15b, got '$part'" >&2
   exit 2
 fi
 rm -rf "$out"/trace*
