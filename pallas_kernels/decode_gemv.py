@@ -259,10 +259,10 @@ def norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act) -> str | 
 NARROW_INPUT_CHUNKS = 8  # inputs of up to this many chunks load 2 chunks ahead in the gate/up GEMV
 
 
-def gated_mlp_depth(k_dim: int, chunk: int | None) -> int:
+def gated_mlp_depth(k_dim: int, chunk: int) -> int:
     """The gate/up GEMV's default group of chunks (``norm_gated_mlp_kernel``): 2 for inputs of up to
     ``NARROW_INPUT_CHUNKS`` chunks (measured at the 0.5B's 896), else 8."""
-    return 2 if chunk and k_dim // chunk <= NARROW_INPUT_CHUNKS else 8
+    return 2 if k_dim // chunk <= NARROW_INPUT_CHUNKS else 8
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "act", "chunk", "depth", "prefetch", "block_n", "num_warps",
@@ -284,11 +284,12 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
     if reason is not None:
         raise ValueError(f"norm_gated_mlp: {reason}")
+    chunk = _chunk(x.shape[1], chunk)
     if depth is None:
-        depth = gated_mlp_depth(x.shape[1], _chunk(x.shape[1], chunk))
+        depth = gated_mlp_depth(x.shape[1], chunk)
     n_dim = w_gate.shape[0]
     kernel = functools.partial(_gated_mlp_kernel, eps=eps, act=act, rows=x.shape[0], k_dim=x.shape[1],
-                               chunk=_chunk(x.shape[1], chunk), depth=depth, prefetch=prefetch, n_dim=n_dim,
+                               chunk=chunk, depth=depth, prefetch=prefetch, n_dim=n_dim,
                                block_n=block_n)
     return _call(kernel, (x, norm_weight, w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
                  name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
