@@ -10,7 +10,7 @@
 # "kv15b": time to first token of an 8K prefix loaded through the KV connector (host, disk) vs recomputed.
 # PART "prefill05b": prefill with the defaults, prefill steps chained against one at a time.
 # PART "profile05b": traces of the 0.5B decode steps, each top kernel named with its source lines; "ncu05b": Nsight
-# Compute on the one-row decode GEMV kernels (scripts/profile_decode_gemv.py).
+# Compute on one decode layer's kernels (scripts/profile_decode_kernels.py).
 # Usage: bash scripts/gpu_bench.sh OUT_DIR prefill|others|engine05b|prefill05b|profile05b|ncu05b|engine15b|tp_parity|tp_bench|prefix|prefix15b|kv15b
 set -u
 out=${1:-/tmp/gpu_bench}
@@ -79,12 +79,17 @@ elif [ "$part" = profile05b ]; then
     --output-len 32 --prefill-batch 1 --trace --hlo-dir "$out/hlo"
   grep -E "^decode |^  busy|^ +[0-9.]+ us " "$out/profile05b.log" | head -200
 elif [ "$part" = ncu05b ]; then
-  # Nsight Compute on the one-row decode GEMV kernels at the 0.5B geometry (scripts/profile_decode_gemv.py):
-  # registers, occupancy, waves, DRAM throughput and duration of each kernel's second call.
-  step ncu05b 400 ncu --clock-control none -k regex:gemv --launch-skip 4 --launch-count 4 --section SpeedOfLight \
-    --section Occupancy --section LaunchStats --section WarpStateStats python3 scripts/profile_decode_gemv.py
-  grep -E "^  gemv_|Registers Per Thread|Block Limit Registers|Waves Per SM|Achieved Occupancy|DRAM Throughput|Duration" \
-    "$out/ncu05b.log"
+  # Nsight Compute on one decode layer's kernels at the 0.5B geometry (scripts/profile_decode_kernels.py) at $ROWS
+  # (default "1 32"): the one-row GEMV kernels, the decode attention and the Mosaic GPU kernels, each call profiled
+  # with the full set of sections (stall sampling by source line included); the report comes back, its details as
+  # text, the SASS lines' stall samples as CSV, and a short table of registers, occupancy, waves, DRAM throughput
+  # and duration per kernel last.
+  step ncu05b 400 ncu --clock-control none --set full --import-source yes -f -o "$out/decode_kernels" \
+    -k regex:'gemv|attention|_body' python3 scripts/profile_decode_kernels.py --rows ${ROWS:-1 32}
+  ncu -i "$out/decode_kernels.ncu-rep" --page details > "$out/ncu_details.txt" 2>&1
+  ncu -i "$out/decode_kernels.ncu-rep" --page source --csv --print-source sass > "$out/ncu_source.csv" 2>&1
+  grep -E "^  [a-z_]+.*\(|Registers Per Thread|Waves Per SM|Achieved Occupancy|DRAM Throughput|^    Duration" \
+    "$out/ncu_details.txt"
 elif [ "$part" = engine15b ]; then
   configs=${CONFIGS:-../shared/configs}
   gen="python3 scripts/bench_generate.py $configs/superapriel-15b-shaped --defaults"
