@@ -80,12 +80,15 @@ elif [ "$part" = profile05b ]; then
   grep -E "^decode |^  busy|^ +[0-9.]+ us " "$out/profile05b.log" | head -200
 elif [ "$part" = ncu05b ]; then
   # Nsight Compute on one decode layer's kernels at the 0.5B geometry (scripts/profile_decode_kernels.py) at $ROWS
-  # (default "1 32"): the one-row GEMV kernels, the decode attention and the Mosaic GPU kernels, each call profiled
-  # with the full set of sections (stall sampling by source line included); the report comes back, its details as
-  # text, the SASS lines' stall samples as CSV, and a short table of registers, occupancy, waves, DRAM throughput
-  # and duration per kernel last.
-  step ncu05b 400 ncu --clock-control none --set full --import-source yes -f -o "$out/decode_kernels" \
-    -k regex:'gemv|attention|_body' python3 scripts/profile_decode_kernels.py --rows ${ROWS:-1 32}
+  # (default "1 32") of $KINDS (default all): the one-row GEMV kernels, the decode attention and the Mosaic GPU
+  # kernels, each call profiled with the full set of sections (stall sampling by source line included); the report
+  # comes back, its details as text, the SASS lines' stall samples as CSV, and a short table of registers,
+  # occupancy, waves, DRAM throughput and duration per kernel last.
+  # Without preallocation: Nsight Compute saves and restores the memory a kernel may write between its replay
+  # passes, and JAX's preallocated pool made that most of the run (400 s for six kernels, H200).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu05b 400 ncu --clock-control none --set full --import-source yes -f \
+    -o "$out/decode_kernels" -k regex:'gemv|attention|_body' python3 scripts/profile_decode_kernels.py \
+    --rows ${ROWS:-1 32} --kinds ${KINDS:-gemv attention mosaic}
   ncu -i "$out/decode_kernels.ncu-rep" --page details > "$out/ncu_details.txt" 2>&1
   ncu -i "$out/decode_kernels.ncu-rep" --page source --csv --print-source sass > "$out/ncu_source.csv" 2>&1
   grep -E "^  [a-z_]+.*\(|Registers Per Thread|Waves Per SM|Achieved Occupancy|DRAM Throughput|^    Duration" \
