@@ -9,6 +9,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def hbm_bandwidth(repeats: int = 10) -> float:
@@ -58,6 +59,32 @@ def time_torch_back_to_back(fn, iters: int, repeats: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / iters
+
+
+def paged_decode_inputs(rows: int, heads: int, groups: int, head_dim: int, context: int, page_size: int,
+                        width: int, pools: int = 1, seed: int = 0):
+    """One decode step of an attention layer over paged K/V, every row at position ``context``: the step's inputs
+    (``cos``, ``sin``, ``slots``, ``table``, ``first``, ``positions``; a ``width``-page block table per row in a
+    random page order, empty past the row's position), the packed new query, key and value heads [rows, H + 2G,
+    D] and ``pools`` (k_pages, v_pages) pairs of random bf16 pools [rows * width + 1, page_size, G, D]."""
+    if width * page_size <= context:
+        raise ValueError(f"a table of {width} pages of {page_size} tokens does not hold position {context}")
+    rng = np.random.default_rng(seed)
+    num_pages = rows * width + 1
+    perm = rng.permutation(np.arange(1, num_pages)).reshape(rows, width)
+    positions = np.full(rows, context, np.int32)
+    table = np.where(np.arange(width)[None] <= (positions // page_size)[:, None], perm, 0).astype(np.int32)
+    slots = table[np.arange(rows), positions // page_size] * page_size + positions % page_size
+    key = jax.random.key(seed)
+    shape = (num_pages, page_size, groups, head_dim)
+    pairs = [(jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16),
+              jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16)) for i in range(pools)]
+    angles = positions[:, None] * np.linspace(1e-3, 1.0, head_dim)[None]
+    inputs = dict(cos=jnp.asarray(np.cos(angles), jnp.bfloat16), sin=jnp.asarray(np.sin(angles), jnp.bfloat16),
+                  slots=jnp.asarray(slots, jnp.int32), table=jnp.asarray(table),
+                  first=jnp.zeros(rows, jnp.int32), positions=jnp.asarray(positions[:, None]))
+    qkv = jax.random.normal(jax.random.fold_in(key, 2 * pools), (rows, heads + 2 * groups, head_dim), jnp.bfloat16)
+    return inputs, qkv, pairs
 
 
 def print_rows(rows: list[dict], json_path: str | None = None) -> None:

@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from apriel2_jax.benchmarking import hbm_bandwidth, print_rows, time_looped  # noqa: E402
+from apriel2_jax.benchmarking import hbm_bandwidth, paged_decode_inputs, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
     default_schedule, paged_attention_decode, rope_write_paged_attention_decode)
@@ -260,22 +260,9 @@ def decode_section(args, bandwidth):
 def layer_chain_case(batch, heads, groups, dim, context, page_size, layers, seed=0):
     """Inputs of one decode step at ``context`` tokens per row (random page order, every row at the same
     position) and ``layers`` K/V pools of their own."""
-    rng = np.random.default_rng(seed)
     width = -(-(context + 1) // page_size)
-    num_pages = batch * width + 1
-    perm = rng.permutation(np.arange(1, num_pages)).reshape(batch, width)
-    positions = np.full(batch, context, np.int32)
-    table = np.where(np.arange(width)[None] <= (positions // page_size)[:, None], perm, 0).astype(np.int32)
-    slots = table[np.arange(batch), positions // page_size] * page_size + positions % page_size
-    key = jax.random.key(seed)
-    shape = (num_pages, page_size, groups, dim)
-    pools = [(jax.random.normal(jax.random.fold_in(key, 2 * i), shape, jnp.bfloat16),
-              jax.random.normal(jax.random.fold_in(key, 2 * i + 1), shape, jnp.bfloat16)) for i in range(layers)]
-    angles = positions[:, None] * np.linspace(1e-3, 1.0, dim)[None]
-    inputs = dict(cos=jnp.asarray(np.cos(angles), jnp.bfloat16), sin=jnp.asarray(np.sin(angles), jnp.bfloat16),
-                  slots=jnp.asarray(slots, jnp.int32), table=jnp.asarray(table),
-                  first=jnp.zeros(batch, jnp.int32), positions=jnp.asarray(positions[:, None]))
-    qkv = jax.random.normal(jax.random.fold_in(key, 2 * layers), (batch, heads + 2 * groups, dim), jnp.bfloat16)
+    inputs, qkv, pools = paged_decode_inputs(batch, heads, groups, dim, context, page_size, width, pools=layers,
+                                             seed=seed)
     return inputs, (qkv, pools)
 
 

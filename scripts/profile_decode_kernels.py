@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
+from apriel2_jax.benchmarking import paged_decode_inputs  # noqa: E402
 from pallas_kernels import decode_gated_product, decode_gemv, decode_matmul_add, decode_projections  # noqa: E402
 from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode  # noqa: E402
 
@@ -38,24 +38,12 @@ KINDS = ("gemv", "attention", "mosaic")
 
 
 def attention_inputs(rows, heads, groups, dim, context, page_size, new_tokens=128, seed=0):
-    """The attention layer's arguments with every row at position ``context``: packed q|k|v [rows, H + 2G, D],
-    cos, sin, slots, the pools, block table, first pages and positions."""
-    rng = np.random.default_rng(seed)
+    """The attention layer's arguments with every row at position ``context`` and the block table
+    ``bench_generate.py`` gives (the prompt, ``new_tokens`` and one page)."""
     width = -(-(context + new_tokens) // page_size) + 1
-    num_pages = rows * width + 1
-    perm = rng.permutation(np.arange(1, num_pages)).reshape(rows, width)
-    positions = np.full(rows, context, np.int32)
-    table = np.where(np.arange(width)[None] <= (positions // page_size)[:, None], perm, 0).astype(np.int32)
-    slots = table[np.arange(rows), positions // page_size] * page_size + positions % page_size
-    key = jax.random.key(seed)
-    shape = (num_pages, page_size, groups, dim)
-    k_pages = jax.random.normal(jax.random.fold_in(key, 0), shape, jnp.bfloat16)
-    v_pages = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
-    qkv = jax.random.normal(jax.random.fold_in(key, 2), (rows, heads + 2 * groups, dim), jnp.bfloat16)
-    angles = positions[:, None] * np.linspace(1e-3, 1.0, dim)[None]
-    return (qkv, None, None, jnp.asarray(np.cos(angles), jnp.bfloat16), jnp.asarray(np.sin(angles), jnp.bfloat16),
-            jnp.asarray(slots, jnp.int32), k_pages, v_pages, jnp.asarray(table), jnp.zeros(rows, jnp.int32),
-            jnp.asarray(positions[:, None]))
+    x, qkv, ((k_pages, v_pages),) = paged_decode_inputs(rows, heads, groups, dim, context, page_size, width, seed=seed)
+    return (qkv, None, None, x["cos"], x["sin"], x["slots"], k_pages, v_pages, x["table"], x["first"],
+            x["positions"])
 
 
 def calls_for(kind, rows, args, rand):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 
@@ -157,3 +158,12 @@ def golden_model(case_name: str):
     directory = os.path.join(GOLDENS, case_name)
     model = load_model(directory, "float32")
     return load_case(directory), model, StepRunner(model)
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` imported as a module (the scripts are not a package)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,19 +1,14 @@
 """scripts/bench_attention.py's chained-layer section, in its CPU dry run (interpret mode, tiny shapes)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
+from tests.helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_attention", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_attention")
 
 
 def test_layers_section_times_each_batch_and_schedule(tmp_path):

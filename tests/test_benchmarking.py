@@ -4,8 +4,10 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from apriel2_jax.benchmarking import kernel_times, per_call_us
+from apriel2_jax.benchmarking import kernel_times, paged_decode_inputs, per_call_us
 
 
 def _meta(pid, tid, process, thread):
@@ -106,3 +108,18 @@ def test_hlo_dump_sources_pick_the_module_that_names_the_traced_kernels(tmp_path
     (tmp_path / "module_0002.jit__step_fn.cpu_before_optimizations.txt").write_text("not read")
     assert hlo_dump_sources(str(tmp_path), kernels) == hlo_sources(text)
     assert hlo_dump_sources(str(tmp_path), ["no_such_kernel"]) == {}
+
+
+def test_paged_decode_inputs_place_each_row_at_its_position():
+    inputs, qkv, pools = paged_decode_inputs(rows=3, heads=4, groups=2, head_dim=8, context=37, page_size=8,
+                                             width=6, pools=2)
+    table = np.asarray(inputs["table"])
+    assert table.shape == (3, 6) and qkv.shape == (3, 8, 8) and len(pools) == 2
+    assert pools[0][0].shape == (3 * 6 + 1, 8, 2, 8)
+    # pages up to the position's (37 // 8 = 4) are distinct real pages, the rest empty (the sink page 0)
+    assert (table[:, :5] > 0).all() and (table[:, 5:] == 0).all() and len(set(table[:, :5].ravel())) == 15
+    slots = np.asarray(inputs["slots"])
+    assert (slots == table[:, 4] * 8 + 37 % 8).all()
+    assert (np.asarray(inputs["positions"])[:, 0] == 37).all()
+    with pytest.raises(ValueError, match="does not hold position 48"):
+        paged_decode_inputs(rows=1, heads=4, groups=2, head_dim=8, context=48, page_size=8, width=6)

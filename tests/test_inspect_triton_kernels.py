@@ -1,18 +1,12 @@
 """scripts/inspect_triton_kernels.py: the decode Triton kernels lowered and compiled for sm_90 on the CPU."""
 
-import importlib.util
-import os
-
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "inspect_triton_kernels.py")
+from tests.helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("inspect_triton_kernels", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("inspect_triton_kernels")
 
 
 def test_the_output_projection_lowers_to_one_triton_kernel_with_its_launch():
