@@ -14,7 +14,8 @@ write, paged attention and the XLA merge of the K-splits: ``rope_write_paged_att
 ``--layers`` layers of their own K/V pools chained in a device loop of ``--loop`` iterations (each layer's
 output becomes the next one's query, keys and values), so one call holds milliseconds of device work and the
 host's dispatch stays off the clock; µs per layer, for each batch and each schedule (``default``, or
-``BLOCKxSPLITS`` block tokens and K-splits).
+``BLOCKxSPLITS`` block tokens and K-splits). ``--table-pages`` widens the block tables as the engine's are (its
+decode tables span the prompt, the output and a page; the split count follows the table's width).
 
 Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
 in the engine's layout [P, page_size, G, D] with block tables in a random page order. Cases: contexts 1024, 4096
@@ -257,10 +258,10 @@ def decode_section(args, bandwidth):
     return rows
 
 
-def layer_chain_case(batch, heads, groups, dim, context, page_size, layers, seed=0):
+def layer_chain_case(batch, heads, groups, dim, context, page_size, layers, seed=0, width=None):
     """Inputs of one decode step at ``context`` tokens per row (random page order, every row at the same
-    position) and ``layers`` K/V pools of their own."""
-    width = -(-(context + 1) // page_size)
+    position; tables of ``width`` pages, default just enough) and ``layers`` K/V pools of their own."""
+    width = width or -(-(context + 1) // page_size)
     inputs, qkv, pools = paged_decode_inputs(batch, heads, groups, dim, context, page_size, width, pools=layers,
                                              seed=seed)
     return inputs, (qkv, pools)
@@ -310,7 +311,8 @@ def layers_section(args):
         batches = args.batch_sizes
     rows = []
     for batch in batches:
-        inputs, carry = layer_chain_case(batch, heads, groups, dim, context, page_size, layers)
+        inputs, carry = layer_chain_case(batch, heads, groups, dim, context, page_size, layers,
+                                         width=args.table_pages)
         width = inputs["table"].shape[1]
         auto = default_schedule(batch, groups, width * page_size, dim, jnp.bfloat16)
         for text in args.schedule:
@@ -338,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=64, help="layers section: head dim")
     ap.add_argument("--page-size", type=int, default=16, help="layers section")
     ap.add_argument("--context", type=int, default=1024, help="layers section: tokens before the new one")
+    ap.add_argument("--table-pages", type=int, default=None,
+                    help="layers section: block table width in pages (default: the context's; bench_generate.py's "
+                         "engine runs (prompt + output) / page size + 1)")
     ap.add_argument("--layers", type=int, default=24, help="layers section: chained layers (own K/V pools)")
     ap.add_argument("--loop", type=int, default=10, help="layers section: device-loop iterations per call")
     ap.add_argument("--schedule", nargs="+", default=["default"],

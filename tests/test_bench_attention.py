@@ -24,3 +24,17 @@ def test_layers_section_times_each_batch_and_schedule(tmp_path):
 def test_a_malformed_schedule_is_refused_by_name():
     with pytest.raises(SystemExit):
         _script().main(["--section", "layers", "--dry-run", "--schedule", "12"])
+
+
+def test_wider_tables_set_the_default_split_count(tmp_path):
+    """--table-pages widens the block tables as the engine's are; the default schedule follows their width."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention_decode import default_schedule
+
+    out = tmp_path / "rows.json"
+    assert _script().main(["--section", "layers", "--dry-run", "--table-pages", "40", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    # the dry run's geometry: 2 KV heads, D = 16, pages of 8 tokens
+    assert [r["splits"] for r in rows] == [default_schedule(r["batch"], 2, 40 * 8, 16, jnp.bfloat16)[1] for r in rows]
+    assert rows[0]["splits"] != default_schedule(1, 2, 6 * 8, 16, jnp.bfloat16)[1]  # the context's own 6 pages
