@@ -130,14 +130,6 @@ def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
     return max(1, min(want, most))
 
 
-def table_splits(width: int, page_size: int, block_tokens: int, splits: int) -> tuple[int, int]:
-    """(table columns per split, splits) of ``split_by_table``: about ``splits`` splits over a ``width``-page
-    table, each a whole number of blocks (rounded down; at least one block or one page), as many as cover it."""
-    tokens = max(block_tokens, -(-width // splits) * page_size // block_tokens * block_tokens)
-    split_pages = max(1, tokens // page_size)
-    return split_pages, -(-width // split_pages)
-
-
 def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dtype,
                      min_programs: int = 1024) -> tuple[int, int]:
     """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
@@ -157,19 +149,10 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
-            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, new_token,
-            split_pages=None):
+            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, new_token):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tok = jnp.arange(block_tokens, dtype=jnp.int32)
-    if split_pages is not None:
-        # The first blocks' page ids, loaded before anything else: the K/V addresses need only them.
-        first_column = s * split_pages
-        early_ids = [table_ref[b, jnp.clip(first_column + (i * block_tokens + tok) // page_size, 0, width - 1)]
-                     for i in range(prefetch_ids)]
-        if not interpret:  # keeps the compiler from sinking them below the position's and RoPE's loads
-            pltriton.debug_barrier()
     pos = pos_ref[b]
     first = first_ref[b]
 
@@ -192,16 +175,10 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
         column = jnp.clip(pos // page_size - first, 0, width - 1)
         new_ok = (pos >= lo) & (pos < hi) & (table_ref[b, column] != 0)
         hi = jnp.minimum(hi, pos)
-    if split_pages is None:
-        # This split's share, a whole number of blocks so only the last block of the last split is partial.
-        chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_tokens) * block_tokens
-        start = lo + s * chunk
-        end = jnp.minimum(start + chunk, hi)
-    else:
-        # ``split_pages`` table columns per split (no window: lo is the table's first position): which page ids a
-        # block reads follows from the program id alone, so their loads need not wait for the row's position.
-        start = (first + first_column) * page_size
-        end = jnp.minimum((first + jnp.minimum(first_column + split_pages, width)) * page_size, hi)
+    # This split's share, a whole number of blocks so only the last block of the last split is partial.
+    chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_tokens) * block_tokens
+    start = lo + s * chunk
+    end = jnp.minimum(start + chunk, hi)
     iters = pl.cdiv(jnp.maximum(end - start, 0), block_tokens)
 
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -239,14 +216,11 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
                 pltriton.store(k_out_ref.at[slot, kv_cols], k_new)
                 pltriton.store(v_out_ref.at[slot, kv_cols], v_new)
 
-    def block_rows(i, page=None):
+    tok = jnp.arange(block_tokens, dtype=jnp.int32)
+
+    def block_rows(i):
         """Pool rows [N] of block i's keys and the keys' visibility. Every position in [start, end) is visible
         (causality and the window are in the range) unless its table entry is empty."""
-        if split_pages is not None:
-            offsets = i * block_tokens + tok  # from the split's first position, a page boundary
-            if page is None:
-                page = table_ref[b, jnp.clip(first_column + offsets // page_size, 0, width - 1)]
-            return page * page_size + offsets % page_size, (start + offsets < end) & (page != 0)
         key_pos = start + i * block_tokens + tok  # [N] positions
         column = key_pos // page_size - first  # shifts: page_size is a power of two
         page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids (repeats hit L1)
@@ -288,7 +262,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
             first_split.astype(F32),
         )
     for j in range(prefetch_ids):
-        init += block_rows(j, early_ids[j] if split_pages is not None else None)
+        init += block_rows(j)
     acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
 
     # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
@@ -307,8 +281,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
         pltriton.store(l_ref.at[b, s, out_rows], l, mask=row_ok)
 
 
-_STATIC = ("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret",
-           "split_by_table")
+_STATIC = ("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -328,7 +301,6 @@ def paged_attention_decode(
     min_programs: int = 1024,
     prefetch_ids: int = 1,
     interpret: bool = False,
-    split_by_table: bool = False,
 ) -> jax.Array:
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
@@ -339,15 +311,12 @@ def paged_attention_decode(
     run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page ids
     are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep num_stages - 1
     K/V blocks in flight; 0 leaves one (the K/V addresses wait on the table load) and 2 defeats the pipeliner
-    (synchronous K/V loads). Swept by the benchmark. split_by_table (no window only): the splits cover the block
-    table's columns, each a whole number of blocks, instead of dividing the row's visible positions; which page
-    ids a block reads then follows from the program id, so their loads do not wait for the row's position.
+    (synchronous K/V loads). Swept by the benchmark.
     """
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     out, _ = _launch(q[:, 0], k_pages, v_pages, block_table, first_page, q_positions, window, None,
                      block_tokens=block_tokens, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                     min_programs=min_programs, prefetch_ids=prefetch_ids, interpret=interpret,
-                     split_by_table=split_by_table)
+                     min_programs=min_programs, prefetch_ids=prefetch_ids, interpret=interpret)
     return out[:, None]
 
 
@@ -373,7 +342,6 @@ def rope_write_paged_attention_decode(
     min_programs: int = 1024,
     prefetch_ids: int = 1,
     interpret: bool = False,
-    split_by_table: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step of an attention layer after its projections, in one kernel: RoPE on the new query and key,
     the new key and value written to their page slot, and attention over the pages plus the new token (the
@@ -408,14 +376,13 @@ def rope_write_paged_attention_decode(
     out, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token,
                          packed=packed, block_tokens=block_tokens, splits=splits,
                          num_warps=num_warps, num_stages=num_stages, min_programs=min_programs,
-                         prefetch_ids=prefetch_ids, interpret=interpret, split_by_table=split_by_table)
+                         prefetch_ids=prefetch_ids, interpret=interpret)
     return out, *pages
 
 
 def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *, packed: bool = False,
             block_tokens: int | None = None, splits: int | None = None, num_warps: int | None = None,
-            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False,
-            split_by_table: bool = False):
+            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False):
     """q: [B, H, D] (``packed``: [B, H + 2G, D], the new keys and values after the query heads). Returns the
     output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots) (``packed``: (cos, sin, slots)), the pages
     with the new keys and values written (else None)."""
@@ -444,9 +411,6 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         raise ValueError(f"splits={splits} must be >= 1")
     if prefetch_ids not in (0, 1, 2):
         raise ValueError(f"prefetch_ids={prefetch_ids} must be 0, 1 or 2 (blocks of page ids loaded ahead)")
-    split_pages = None
-    if split_by_table and window is None:
-        split_pages, splits = table_splits(width, page_size, block_tokens, splits)
 
     rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
     kernel = functools.partial(
@@ -455,7 +419,6 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, groups=groups, interpret=interpret,
         prefetch_ids=prefetch_ids, new_token=None if new_token is None else "packed" if packed else "separate",
-        split_pages=split_pages,
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:
@@ -472,7 +435,7 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
     inputs = [q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32), q,
               k_rows, v_rows]
     aliases = {}
-    name = f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}{'_t' if split_pages else ''}"
+    name = f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}"
     if new_token is not None:
         inputs += list(new_token)
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}  # the pools, written in place

@@ -14,9 +14,8 @@ write, paged attention and the XLA merge of the K-splits: ``rope_write_paged_att
 ``--layers`` layers of their own K/V pools chained in a device loop of ``--loop`` iterations (each layer's
 output becomes the next one's query, keys and values), so one call holds milliseconds of device work and the
 host's dispatch stays off the clock; µs per layer, for each batch and each schedule (``default``, or
-``BLOCKxSPLITS`` block tokens and K-splits; ``+table`` after either splits over the block table's columns,
-``split_by_table``). ``--table-pages`` widens the block tables as the engine's are (its decode tables span the
-prompt, the output and a page).
+``BLOCKxSPLITS`` block tokens and K-splits). ``--table-pages`` widens the block tables as the engine's are (its
+decode tables span the prompt, the output and a page; the split count follows the table's width).
 
 Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
 in the engine's layout [P, page_size, G, D] with block tables in a random page order. Cases: contexts 1024, 4096
@@ -55,7 +54,7 @@ import numpy as np  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, paged_decode_inputs, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
-    default_schedule, paged_attention_decode, rope_write_paged_attention_decode, table_splits)
+    default_schedule, paged_attention_decode, rope_write_paged_attention_decode)
 
 
 def log(*a):
@@ -291,18 +290,14 @@ def layer_chain_us(inputs, carry, groups, loop, interpret=False, repeats=3, **sc
 
 
 def parse_schedule(text: str) -> dict:
-    """``default`` or ``BLOCKxSPLITS`` (e.g. ``128x4``), either with ``+table`` (the kernel's ``split_by_table``)
-    -> the kernel's keyword arguments."""
-    base, table = (text[: -len("+table")], True) if text.endswith("+table") else (text, False)
-    extra = dict(split_by_table=True) if table else {}
-    if base == "default":
-        return extra
+    """``default`` or ``BLOCKxSPLITS`` (e.g. ``128x4``) -> the kernel's keyword arguments."""
+    if text == "default":
+        return {}
     try:
-        block, splits = (int(part) for part in base.lower().split("x"))
+        block, splits = (int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"schedule {text!r}: expected 'default' or BLOCKxSPLITS, e.g. 128x4, "
-                                         "optionally with '+table'")
-    return dict(block_tokens=block, splits=splits, **extra)
+        raise argparse.ArgumentTypeError(f"schedule {text!r}: expected 'default' or BLOCKxSPLITS, e.g. 128x4")
+    return dict(block_tokens=block, splits=splits)
 
 
 def layers_section(args):
@@ -324,9 +319,7 @@ def layers_section(args):
             schedule = parse_schedule(text)
             us, carry = layer_chain_us(inputs, carry, groups, loop, interpret=dry, repeats=1 if dry else 3,
                                        **schedule)
-            block, splits = (schedule["block_tokens"], schedule["splits"]) if "splits" in schedule else auto
-            if schedule.get("split_by_table"):
-                splits = table_splits(width, page_size, block, splits)[1]
+            block, splits = (schedule["block_tokens"], schedule["splits"]) if schedule else auto
             log(f"[layers] B={batch} block={block} splits={splits}: {us:.2f} us per layer")
             rows.append(dict(section="layers", batch=batch, heads=f"{heads}/{groups}", dim=dim, context=context,
                              page_size=page_size, schedule=text, block_tokens=block, splits=splits,
@@ -353,8 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24, help="layers section: chained layers (own K/V pools)")
     ap.add_argument("--loop", type=int, default=10, help="layers section: device-loop iterations per call")
     ap.add_argument("--schedule", nargs="+", default=["default"],
-                    help="layers section: 'default' and/or BLOCKxSPLITS entries (block tokens x K-splits), each "
-                         "optionally with '+table' (K-splits over the block table's columns)")
+                    help="layers section: 'default' and/or BLOCKxSPLITS entries (block tokens x K-splits)")
     ap.add_argument("--pools", type=int, default=3, help="independent K/V pools cycled through (defeats L2)")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per trial")

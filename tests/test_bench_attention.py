@@ -26,19 +26,6 @@ def test_a_malformed_schedule_is_refused_by_name():
         _script().main(["--section", "layers", "--dry-run", "--schedule", "12"])
 
 
-def test_table_splits_are_timed_and_reported_with_their_count(tmp_path):
-    out = tmp_path / "rows.json"
-    assert _script().main(["--section", "layers", "--dry-run", "--schedule", "default+table", "16x2+table",
-                           "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [r["schedule"] for r in rows] == ["default+table", "16x2+table"] * 2
-    # dry run: context 40 in pages of 8 (6 pages); 2 splits of 16-token blocks cover 3 pages (24 tokens) each,
-    # rounded down to one block (2 pages): 3 splits
-    assert [(r["block_tokens"], r["splits"]) for r in rows if r["schedule"] == "16x2+table"] == [(16, 3), (16, 3)]
-    assert _script().parse_schedule("128x4+table") == dict(block_tokens=128, splits=4, split_by_table=True)
-    assert _script().parse_schedule("default+table") == dict(split_by_table=True)
-
-
 def test_wider_tables_set_the_default_split_count(tmp_path):
     """--table-pages widens the block tables as the engine's are; the default schedule follows their width."""
     import jax.numpy as jnp

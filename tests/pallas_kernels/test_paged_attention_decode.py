@@ -62,8 +62,6 @@ def _check(x, window, tol, **kw):
         (2, 2, 16, None, {}),  # MHA (rep 1), auto splits
         (8, 2, 8, 20, dict(splits=2, prefetch_ids=2)),  # rep 4, window shorter than the context, 8 pages/block
         (7, 1, 16, 1000, dict(splits=3, block_tokens=32, prefetch_ids=0)),  # rep 7 (16 rows), window > context
-        (4, 2, 8, None, dict(splits=4, block_tokens=16, split_by_table=True)),  # 2 pages per split (3 splits)
-        (4, 2, 32, None, dict(splits=2, block_tokens=16, split_by_table=True)),  # splits of 3 pages, 2 blocks each
     ],
 )
 def test_matches_reference_fp32(heads, groups, page_size, window, kw):
@@ -92,20 +90,6 @@ def test_stale_sink_and_out_of_window_pages_are_never_read():
     poisoned = x["k_pages"].at[0].set(jnp.nan).at[stale].set(jnp.nan)
     out = paged_attention_decode(**dict(x, k_pages=poisoned, v_pages=x["v_pages"].at[0].set(jnp.nan)), window=40,
                                  splits=2, interpret=True)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
-
-
-def test_splits_by_table_never_read_the_sink_page_or_past_the_position():
-    """With the splits over the table's columns the page ids load before the position is known; the K/V loads
-    stay masked: NaN in the sink page and in the slots past each row's position never reach the output."""
-    x = _inputs(4, 8, 2, 16)
-    clean = paged_attention_decode(**x, splits=3, block_tokens=16, split_by_table=True, interpret=True)
-    assert _rel(clean[:3], reference(**x)[:3]) <= 1e-5
-    row1_page = int(x["block_table"][1, 5])  # row 1's last page: position 5 * 16 + 2, slots 3.. are past it
-    k = x["k_pages"].at[0].set(jnp.nan).at[row1_page, 3:].set(jnp.nan)
-    v = x["v_pages"].at[0].set(jnp.nan).at[row1_page, 3:].set(jnp.nan)
-    out = paged_attention_decode(**dict(x, k_pages=k, v_pages=v), splits=3, block_tokens=16, split_by_table=True,
-                                 interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
 
 
@@ -223,7 +207,6 @@ def _new_token_inputs(seed, heads, groups, page_size, dtype=jnp.float32):
         (jnp.float32, 8, 2, 8, None, False, dict(splits=3), 1e-5),  # the new key in split 0, the rest in 3 splits
         (jnp.float32, 7, 1, 16, 20, True, dict(splits=1, block_tokens=16), 1e-5),  # one split writes the output
         (jnp.bfloat16, 8, 2, 16, None, False, dict(splits=2, block_tokens=16), 2e-2),
-        (jnp.float32, 8, 2, 8, None, True, dict(splits=3, block_tokens=16, split_by_table=True), 1e-5),
     ],
 )
 def test_rope_write_attention_matches_the_chain_and_writes_only_its_slots(dtype, heads, groups, page_size, window,
@@ -334,14 +317,3 @@ def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
     diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     assert diff.max() <= 2 ** -7 * float(np.abs(np.asarray(want, np.float32)).max())
     assert (diff > 0).mean() < 0.01
-
-
-def test_table_splits_are_whole_blocks_covering_the_table():
-    from pallas_kernels.paged_attention_decode import table_splits
-
-    # the 0.5B decode table (73 pages of 16): 9 splits of 64-token blocks -> 8 pages (128 tokens) each, 10 splits
-    assert table_splits(73, 16, 64, 9) == (8, 10)
-    assert table_splits(73, 16, 128, 4) == (16, 5)  # 19 pages -> 256 tokens (2 blocks)
-    assert table_splits(6, 32, 16, 2) == (3, 2)  # blocks smaller than a page: whole pages
-    assert table_splits(4, 64, 16, 8) == (1, 4)  # at least one page
-    assert table_splits(73, 16, 64, 200) == (4, 19)  # at least one block
