@@ -6,9 +6,9 @@
 
 Each kernel is lowered as the engine calls it at the 0.5B geometry (cross-lowered for CUDA on an abstract H200:
 its TTIR, the Pallas lowering's output), compiled for sm_90 by the ``triton`` package (with its own ptxas,
-nvdisasm and cuobjdump; the test extra's torch installs it) with the launch's ``num_warps`` and ``num_stages``,
-and summarised: layout conversions in the TTGIR (each a round trip through shared memory), barriers,
-shared-memory loads and stores and instructions in the SASS, registers per thread. With ``--out`` the TTIR,
+nvdisasm and cuobjdump; ``pip install -e '.[test]'`` pins it) with the launch's ``num_warps`` and
+``num_stages``, and summarised: layout conversions in the TTGIR (each a round trip through shared memory),
+barriers, shared-memory loads and stores and instructions in the SASS, registers per thread. With ``--out`` the TTIR,
 TTGIR, PTX and SASS of each kernel are written there. ``--set KERNEL:KEY=VALUE`` passes an integer keyword to a
 kernel's function (e.g. ``gate_up:depth=1``, ``down:block_n=8``, ``attention:splits=4``), so variants compare
 without a GPU.
@@ -96,12 +96,15 @@ def triton_modules(fn, args) -> list[dict]:
     """The Triton kernels ``fn(*args)`` lowers to for CUDA, in launch order: name, TTIR text, num_warps and
     num_stages (from the custom calls' configurations)."""
     modules: list[str] = []
+    jax.clear_caches()  # a cached lowering would skip the Pallas lowering this captures
     device = jax.sharding.AbstractDevice(**_ABSTRACT_H200)
     with _capturing_triton_modules(modules), \
             jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
         hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     launches = {m[1]: (int(m[3]), int(m[2])) for m in
                 re.finditer(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo)}
+    if not modules:
+        raise RuntimeError("the function lowered to no Pallas Triton kernel")
     kernels = []
     for text in modules:
         name = re.search(r"module @(\S+)", text)[1]
@@ -159,7 +162,8 @@ def _parse_set(items) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=1, help="decode rows (the GEMV kernels take 1-8)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="decode rows (the engine runs the GEMV kernels at 1-2 rows, gate/up at 1)")
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     ap.add_argument("--set", nargs="*", default=[], metavar="KERNEL:KEY=VALUE",
                     help="an integer keyword argument of a kernel's function, e.g. gate_up:depth=1")
@@ -171,8 +175,8 @@ def main(argv=None) -> int:
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise SystemExit("inspect_triton_kernels needs the triton package (pip install triton==3.6.0; the test "
-                         "extra's torch brings it)")
+        raise SystemExit("inspect_triton_kernels needs the triton package: pip install -e '.[test]' (it pins "
+                         "triton==3.6.0)")
     cases = kernel_cases(args.rows, options=options)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -183,7 +187,8 @@ def main(argv=None) -> int:
         for kernel in triton_modules(fn, fn_args):
             result = compile_sm90(kernel)
             s = result["summary"]
-            print(f"{case:<10} {s['kernel']:<48} {s['warps']:>5} {s['stages']:>6} {s['registers']:>4} "
+            registers = "-" if s["registers"] is None else s["registers"]
+            print(f"{case:<10} {s['kernel']:<48} {s['warps']:>5} {s['stages']:>6} {registers:>4} "
                   f"{s['layout_conversions']:>11} {s['barriers']:>4} {s['shared_loads']:>4} {s['shared_stores']:>4} "
                   f"{s['instructions']:>5}")
             if args.out:

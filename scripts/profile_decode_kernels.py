@@ -7,7 +7,8 @@
 (``bash scripts/gpu_bench.sh OUT ncu05b`` runs it so and prints each kernel's registers, occupancy, waves, DRAM
 throughput and duration.) Kinds, at each ``--rows`` count where the engine runs them:
 - ``gemv`` (one or two rows): ``pallas_kernels/decode_gemv``'s four kernels of an attention layer's projections,
-  in the order norm + gate/up + product, down + residual, norm + Q/K/V, output projection + residual;
+  in the order norm + gate/up + product (one row only), down + residual, norm + Q/K/V, output projection +
+  residual;
 - ``attention`` (any rows): the decode attention layer (``rope_write_paged_attention_decode``: RoPE, the page
   write, paged attention; at one or two rows its split merge kernel too) over a context of ``--context`` tokens in
   pages of ``--page-size`` in a random page order, with the block table ``bench_generate.py`` gives (the prompt,
@@ -46,23 +47,36 @@ def attention_inputs(rows, heads, groups, dim, context, page_size, new_tokens=12
             x["positions"])
 
 
+def random_bf16(key):
+    """A function of a shape returning small random bf16 values, a fresh key each call."""
+    counter = iter(range(1 << 30))
+
+    def rand(*shape):
+        return (0.03 * jax.random.normal(jax.random.fold_in(key, next(counter)), shape)).astype(jnp.bfloat16)
+
+    return rand
+
+
 def calls_for(kind, rows, args, rand):
+    """The calls of one kind at ``rows`` rows (none where the engine runs other code there)."""
     hidden, inter = args.hidden, args.intermediate
     x, norm = rand(rows, hidden), (1 + rand(hidden)).astype(jnp.bfloat16)
     if kind == "gemv":
-        if rows > decode_gemv.MAX_ROWS:
+        if rows > max(decode_gemv.KERNEL_ROWS.values()):
             return []
         product, attention_out = rand(rows, inter), rand(rows, args.heads * args.head_dim)
         gate, up, down = rand(inter, hidden), rand(inter, hidden), rand(hidden, inter)
         q_width, kv_width = args.heads * args.head_dim, args.groups * args.head_dim
         qkv = (rand(q_width, hidden), rand(kv_width, hidden), rand(kv_width, hidden))
         o_proj = rand(hidden, q_width)
-        return [
-            lambda: decode_gemv.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu"),
-            lambda: decode_gemv.matmul_add_kernel(product, down, x),
-            lambda: decode_gemv.norm_projections_kernel(x, norm, 1e-5, qkv),
-            lambda: decode_gemv.matmul_add_kernel(attention_out, o_proj, x),
+        calls = [
+            ("norm_gated_mlp", lambda: decode_gemv.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu")),
+            ("matmul_add", lambda: decode_gemv.matmul_add_kernel(product, down, x)),
+            ("norm_projections", lambda: decode_gemv.norm_projections_kernel(x, norm, 1e-5, qkv)),
+            ("matmul_add", lambda: decode_gemv.matmul_add_kernel(attention_out, o_proj, x)),
         ]
+        # only where the engine runs them (``decode_gemv.KERNEL_ROWS``: gate/up at one row, the others at two)
+        return [call for op, call in calls if rows <= decode_gemv.KERNEL_ROWS[op]]
     if kind == "attention":
         inputs = attention_inputs(rows, args.heads, args.groups, args.head_dim, args.context, args.page_size)
         fn = jax.jit(rope_write_paged_attention_decode)
@@ -92,7 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--groups", type=int, default=2, help="KV heads")
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--context", type=int, default=1024, help="tokens before each row's new one")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="each row's position (the prompt's tokens); the block table also spans 128 new tokens and "
+                         "a page, as bench_generate.py's")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -100,10 +116,7 @@ def main(argv=None) -> int:
         return 2
     if any(r < 1 for r in args.rows):
         raise SystemExit(f"--rows {args.rows}: each must be at least 1")
-    keys = iter(jax.random.split(jax.random.PRNGKey(0), 64))
-
-    def rand(*shape):
-        return (0.03 * jax.random.normal(next(keys), shape)).astype(jnp.bfloat16)
+    rand = random_bf16(jax.random.PRNGKey(0))
 
     for rows in args.rows:
         for kind in args.kinds:
