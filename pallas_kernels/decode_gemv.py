@@ -87,14 +87,12 @@ def _takes(op: str, reason: str | None, rows: int) -> bool:
 
 
 def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
-    """rsqrt(mean(x^2) + eps) of each row in fp32 (every chunk loaded before the first sum). The chunks' squares
-    are added elementwise and reduced once: each reduction across the program's threads passes through shared
-    memory with barriers."""
+    """rsqrt(mean(x^2) + eps) of each row in fp32 (every chunk loaded before the first sum)."""
     xs = [[x_ref[r, pl.ds(c * chunk, chunk)] for c in range(k_dim // chunk)] for r in range(rows)]
     scales = []
     for row in xs:
-        squares = functools.reduce(lambda a, b: a + b, (x.astype(F32) * x.astype(F32) for x in row))
-        scales.append(jax.lax.rsqrt(jnp.sum(squares) / k_dim + eps))
+        total = sum(jnp.sum(x.astype(F32) * x.astype(F32)) for x in row)
+        scales.append(jax.lax.rsqrt(total / k_dim + eps))
     return scales
 
 
@@ -106,14 +104,9 @@ def _load_weights(w_ref, tile_rows, cols):
     return w_ref[tile_rows, cols]
 
 
-def _tile_size(tile_rows) -> int:
-    """Weight rows in a tile: a slice's size, or an index array's length (a ragged tile's clamped rows)."""
-    return tile_rows.size if isinstance(tile_rows, pl.Slice) else tile_rows.shape[0]
-
-
 def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None):
-    """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``,
-    the norm weight as [1, k_dim]) times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
+    """fp32 sums ``acc[r][j]`` [block_n] of row r's activations (RMS-normalised with ``norm = (eps, norm_ref)``)
+    times the weight rows of ``weights[j] = (w_ref, tile_rows)``.
 
     Loads (weight tiles, the rows' activations, the norm weight) go out in groups of ``depth`` chunks, and with
     ``prefetch`` the next group's before this group's products: a warp issues in order and stalls at the first
@@ -125,22 +118,13 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
         raise ValueError(f"depth={depth}: the chunks loaded per group must be at least 1")
     chunks = k_dim // chunk
     groups = [range(first, min(first + depth, chunks)) for first in range(0, chunks, depth)]
-    block_n = {_tile_size(tile_rows) for _, tile_rows in weights}
-    if len(block_n) != 1:
-        raise ValueError(f"the weights' tiles differ in size ({sorted(block_n)}): one program multiplies one size")
-    # Activations load as [block_n, chunk] tiles of one repeated row: the same shape, addresses along the chunk and
-    # hence layout as the weight tiles they multiply. A [chunk] row broadcast over the tile instead went through a
-    # layout conversion in shared memory with a barrier of the program's threads per chunk (the down GEMV's top
-    # stall in Nsight Compute, H200).
-    size = block_n.pop()
-    repeat = [jnp.full((size,), r, jnp.int32) for r in range(rows)]
 
     def load(group):
         cols = {c: pl.ds(c * chunk, chunk) for c in group}
         return (
             {c: [_load_weights(w_ref, tile_rows, cols[c]) for w_ref, tile_rows in weights] for c in group},
-            {c: [x_ref[repeat[r], cols[c]] for r in range(rows)] for c in group},
-            {c: norm[1][jnp.zeros((size,), jnp.int32), cols[c]] for c in group} if norm is not None else None,
+            {c: [x_ref[r, cols[c]] for r in range(rows)] for c in group},
+            {c: norm[1][cols[c]] for c in group} if norm is not None else None,
         )
 
     accs = [[None] * len(weights) for _ in range(rows)]
@@ -156,7 +140,7 @@ def _gemv(x_ref, weights, *, rows, k_dim, chunk, depth, prefetch=True, norm=None
                 if norm is not None:
                     normed = (x.astype(F32) * scales[r]).astype(x.dtype)
                     x = (norm_ws[c].astype(F32) * normed.astype(F32)).astype(x.dtype)
-                x = x.astype(F32)
+                x = x.astype(F32)[None, :]
                 for j, tile in enumerate(tiles[c]):
                     product = tile.astype(F32) * x
                     accs[r][j] = product if accs[r][j] is None else accs[r][j] + product
@@ -307,7 +291,7 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
     kernel = functools.partial(_gated_mlp_kernel, eps=eps, act=act, rows=x.shape[0], k_dim=x.shape[1],
                                chunk=chunk, depth=depth, prefetch=prefetch, n_dim=n_dim,
                                block_n=block_n)
-    return _call(kernel, (x, norm_weight.reshape(1, -1), w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
+    return _call(kernel, (x, norm_weight, w_gate, w_up), x=x, n_dim=n_dim, block_n=block_n,
                  name="gemv_norm_gated_mlp", num_warps=num_warps, interpret=interpret)
 
 
@@ -396,7 +380,7 @@ def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None =
         raise ValueError(f"norm_projections: {reason}")
     kernel = functools.partial(_norm_projections_kernel, eps=eps, rows=x.shape[0], k_dim=x.shape[1],
                                chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, blocks=blocks)
-    return _call(kernel, (x, norm_weight.reshape(1, -1), *weights), x=x, n_dim=sum(widths), block_n=max(blocks),
+    return _call(kernel, (x, norm_weight, *weights), x=x, n_dim=sum(widths), block_n=max(blocks),
                  programs=sum(w // b for w, b in zip(widths, blocks)), name="gemv_norm_projections",
                  num_warps=num_warps, interpret=interpret)
 
@@ -448,8 +432,8 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
                                chunk=_chunk(x.shape[1], chunk), depth=depth, widths=widths, blocks=blocks,
                                conv_channels=channels, barrier=not interpret)
     bias = jnp.zeros((channels,), F32) if conv_bias is None else conv_bias
-    inputs = (x, norm_weight.reshape(1, -1), *weights, slots.astype(jnp.int32), fresh.astype(jnp.int32),
-              conv_weight.T, bias, conv_pool)
+    inputs = (x, norm_weight, *weights, slots.astype(jnp.int32), fresh.astype(jnp.int32), conv_weight.T, bias,
+              conv_pool)
     return pl.pallas_call(
         kernel,
         grid=(sum(w // b for w, b in zip(widths, blocks)),),
