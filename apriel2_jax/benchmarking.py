@@ -61,6 +61,12 @@ def time_torch_back_to_back(fn, iters: int, repeats: int = 3) -> float:
     return statistics.median(times) / iters
 
 
+def engine_table_pages(prompt: int, new_tokens: int, page_size: int) -> int:
+    """Block table width, in pages, of ``bench_generate.py``'s decode steps: its max_model_len is the prompt, the
+    new tokens and one page."""
+    return -(-(prompt + new_tokens + page_size) // page_size)
+
+
 def paged_decode_inputs(rows: int, heads: int, groups: int, head_dim: int, context: int, page_size: int,
                         width: int, pools: int = 1, seed: int = 0):
     """One decode step of an attention layer over paged K/V, every row at position ``context``: the step's inputs

@@ -277,7 +277,8 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
     ``depth`` (default ``gated_mlp_depth``): groups of 2 chunks (two groups in flight with the prefetch) for
     inputs of up to ``NARROW_INPUT_CHUNKS`` chunks, not all 7 of the 0.5B input at once. With all 7, Nsight
     Compute read 72 registers per thread, registers limiting an SM to 7 programs, and 1.32 waves of the 1216
-    programs (H200); fewer loads in flight were expected to need fewer registers (not read at 2). The one-row
+    programs (H200); at 2, 60 registers, 8 programs per SM and 1.15 waves (Nsight Compute, H200, 2026-11-29;
+    one chunk ahead, 48 registers and one wave, was slower: docs/BENCHMARKS.md). The one-row
     step: all-attention 0.630, 0.630 ms against 0.648, 0.645, pure-gdn 0.596, 0.597 against 0.607, 0.612
     (docs/BENCHMARKS.md). Wider inputs (the 15B's 5120: 20 chunks) keep groups of 8, where the change was not
     measured. The grouping only orders the loads: in interpret mode the outputs are bitwise the same."""

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from apriel2_jax.benchmarking import engine_table_pages  # noqa: E402
 from pallas_kernels import decode_gemv  # noqa: E402
 from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode  # noqa: E402
 
@@ -53,7 +54,7 @@ def kernel_cases(rows: int, hidden=896, intermediate=4864, heads=14, groups=2, h
         return jax.ShapeDtypeStruct(shape, dtype)
 
     q_width, kv_width = heads * head_dim, groups * head_dim
-    width = -(-(context + 128) // page_size) + 1  # the table bench_generate.py gives: prompt, 128 new, one page
+    width = engine_table_pages(context, 128, page_size)
     pages = rows * width + 1
     opts = {name: options.get(name, {}) for name in KERNELS}
     return {

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from apriel2_jax.benchmarking import paged_decode_inputs  # noqa: E402
+from apriel2_jax.benchmarking import engine_table_pages, paged_decode_inputs  # noqa: E402
 from pallas_kernels import decode_gated_product, decode_gemv, decode_matmul_add, decode_projections  # noqa: E402
 from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode  # noqa: E402
 
@@ -41,7 +41,7 @@ KINDS = ("gemv", "attention", "mosaic")
 def attention_inputs(rows, heads, groups, dim, context, page_size, new_tokens=128, seed=0):
     """The attention layer's arguments with every row at position ``context`` and the block table
     ``bench_generate.py`` gives (the prompt, ``new_tokens`` and one page)."""
-    width = -(-(context + new_tokens) // page_size) + 1
+    width = engine_table_pages(context, new_tokens, page_size)
     x, qkv, ((k_pages, v_pages),) = paged_decode_inputs(rows, heads, groups, dim, context, page_size, width, seed=seed)
     return (qkv, None, None, x["cos"], x["sin"], x["slots"], k_pages, v_pages, x["table"], x["first"],
             x["positions"])
@@ -60,13 +60,13 @@ def random_bf16(key):
 def calls_for(kind, rows, args, rand):
     """The calls of one kind at ``rows`` rows (none where the engine runs other code there)."""
     hidden, inter = args.hidden, args.intermediate
+    q_width, kv_width = args.heads * args.head_dim, args.groups * args.head_dim
     x, norm = rand(rows, hidden), (1 + rand(hidden)).astype(jnp.bfloat16)
     if kind == "gemv":
         if rows > max(decode_gemv.KERNEL_ROWS.values()):
             return []
-        product, attention_out = rand(rows, inter), rand(rows, args.heads * args.head_dim)
+        product, attention_out = rand(rows, inter), rand(rows, q_width)
         gate, up, down = rand(inter, hidden), rand(inter, hidden), rand(hidden, inter)
-        q_width, kv_width = args.heads * args.head_dim, args.groups * args.head_dim
         qkv = (rand(q_width, hidden), rand(kv_width, hidden), rand(kv_width, hidden))
         o_proj = rand(hidden, q_width)
         calls = [
@@ -84,7 +84,6 @@ def calls_for(kind, rows, args, rand):
     if rows < decode_gated_product.MIN_ROWS:
         return []
     product, gate, up, down = rand(rows, inter), rand(inter, hidden), rand(inter, hidden), rand(hidden, inter)
-    q_width, kv_width = args.heads * args.head_dim, args.groups * args.head_dim
     qkv = (rand(q_width, hidden), rand(kv_width, hidden), rand(kv_width, hidden))
     mlp = jax.jit(lambda x, n, g, u: decode_gated_product.norm_gated_mlp(x, n, 1e-5, g, u, "silu"))
     proj = jax.jit(lambda x, n, ws: decode_projections.norm_projections(x, n, 1e-5, ws))

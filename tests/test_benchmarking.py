@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from apriel2_jax.benchmarking import kernel_times, paged_decode_inputs, per_call_us
+from apriel2_jax.benchmarking import engine_table_pages, kernel_times, paged_decode_inputs, per_call_us
 
 
 def _meta(pid, tid, process, thread):
@@ -123,3 +123,8 @@ def test_paged_decode_inputs_place_each_row_at_its_position():
     assert (np.asarray(inputs["positions"])[:, 0] == 37).all()
     with pytest.raises(ValueError, match="does not hold position 48"):
         paged_decode_inputs(rows=1, heads=4, groups=2, head_dim=8, context=48, page_size=8, width=6)
+
+
+def test_engine_table_pages_hold_the_prompt_the_output_and_a_page():
+    assert engine_table_pages(1024, 128, 16) == 73  # the 0.5B decode table's 73-page tables
+    assert engine_table_pages(1000, 100, 16) == 70  # 1100 tokens end mid-page: 69 pages, and one more
