@@ -25,7 +25,10 @@ K-split):
   load zeros, so stale or NaN contents of the sink page never reach the output).
   The loop has a dynamic trip count; Triton software-pipelines it (``num_stages``) with asynchronous copies, which
   keeps several blocks of K/V in flight per program. The page ids of a block are loaded one iteration ahead and
-  carried, so the K/V addresses never wait on a table load of the same iteration (``prefetch_ids``).
+  carried, so the K/V addresses never wait on a table load of the same iteration (``prefetch_ids``). They are
+  loaded either as one gathered id per key (``page_ids="vector"``) or, with the blocks aligned to the page grid,
+  as one scalar per page the block covers, from which each layout builds its rows and masks by arithmetic
+  (``"scalar"``: no layout conversions of ids and masks in the loop; the default at one or two rows).
 - Online softmax in fp32 (scores scaled by D^-0.5, exp2 with log2(e) folded in). Masked scores are -inf while the
   running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
   which the epilogue turns into a zero output instead of NaN.
@@ -35,7 +38,8 @@ K-split):
 
 Splits: B * G programs already fill the GPU at a large batch; small batches or long contexts need more. The
 default picks the smallest count giving at least ``min_programs`` programs, capped so each split keeps at least
-two blocks of the widest possible visible range (``choose_splits``). All block sizes are static kwargs so the
+two blocks of the widest possible visible range (``choose_splits``); at one or two rows, splits of one block as
+long as the programs fit in one wave (``default_schedule``). All block sizes are static kwargs so the
 benchmark can sweep them (``scripts/bench_attention.py --sweep``).
 
 fp32 inputs use IEEE (precision HIGHEST) dots so the kernel matches the fp32 reference to ~1e-6; bf16/f16 inputs
@@ -114,6 +118,16 @@ MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost 
 # a12-g1-k11 B=1 from 0.780, 0.786 to 0.778, 0.779; at B=32 it gave 1.121, 1.111 against 1.113, 1.113
 # (all-attention) and 1.167, 1.164 against 1.157, 1.149 (a12-g1-k11). Two rows were not measured.
 MERGE_KERNEL_MAX_ROWS = 2
+# Rows up to which the schedule is cut for latency alone: splits of one block (as many as fit in one wave) and each
+# block's page ids loaded as scalars (``page_ids="scalar"``, at most ``MAX_SCALAR_PAGE_IDS`` of them): no layout
+# conversions in the loop, and a shorter chain per program. In the engine (0.5B, context 1024, H200, 2026-11-29,
+# alternating processes, ms per step, with / without both): all-attention B=1 0.619, 0.613 / 0.632, 0.629, B=2
+# 0.726, 0.725 / 0.739, 0.744, a12-g1-k11 B=1 0.631, 0.632 / 0.638, 0.637, B=2 0.770, 0.765 / 0.776, 0.776. At
+# 4 rows (16 splits, XLA's merge) the step was slower: all-attention 0.908, 0.908 / 0.875, 0.872. At 32 rows
+# (128-token blocks) scalar ids were slower in the chained-layer benchmark (11.1-11.4 against 10.5-11.2 µs per
+# layer): 8 ids per block, 128 registers against 96 (sm_90, pip triton 3.6).
+LATENCY_ROWS = 2
+MAX_SCALAR_PAGE_IDS = 8
 
 
 def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
@@ -135,7 +149,7 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
     the registers). 2-byte dtypes: ``LATENCY_BLOCK_TOKENS`` where the programs they give fit in one wave
     (``ONE_WAVE_PROGRAMS``), else throughput-regime blocks (``THROUGHPUT_BLOCK_ELEMENTS``); splits by
-    ``choose_splits``."""
+    ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave."""
     if jnp.dtype(dtype) == jnp.float32:
         block = 32
         return block, choose_splits(batch, groups, max_tokens, block, min_programs)
@@ -144,12 +158,17 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     if batch * groups * splits > ONE_WAVE_PROGRAMS:
         # At most 128 tokens: the [R, N] scores' registers.
         block = min(128, max(block, _next_power_of_two(THROUGHPUT_BLOCK_ELEMENTS // head_dim)))
-        splits = choose_splits(batch, groups, max_tokens, block, min_programs)
-    return block, splits
+        return block, choose_splits(batch, groups, max_tokens, block, min_programs)
+    if batch > LATENCY_ROWS:
+        return block, splits
+    # Splits as short as one block while the programs still fit in one wave (each program's chain of dependent
+    # loads is the cost, and more programs shorten it).
+    short = choose_splits(batch, groups, max_tokens, block, min_programs, min_tokens_per_split=block)
+    return block, max(splits, min(short, ONE_WAVE_PROGRAMS // (batch * groups)))
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
-            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, new_token):
+            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, page_ids, new_token):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -175,9 +194,15 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
         column = jnp.clip(pos // page_size - first, 0, width - 1)
         new_ok = (pos >= lo) & (pos < hi) & (table_ref[b, column] != 0)
         hi = jnp.minimum(hi, pos)
-    # This split's share, a whole number of blocks so only the last block of the last split is partial.
-    chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_tokens) * block_tokens
-    start = lo + s * chunk
+    # This split's share, a whole number of blocks so only the last block of the last split is partial. With
+    # scalar page ids the blocks start on the page grid (at multiples of min(N, page_size) tokens), so each block
+    # covers whole pages or lies inside one; the keys before lo in the first block are masked.
+    base = lo
+    if page_ids == "scalar":
+        align = min(block_tokens, page_size)
+        base = lo - lo % align
+    chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - base, 0), splits), block_tokens) * block_tokens
+    start = base + s * chunk
     end = jnp.minimum(start + chunk, hi)
     iters = pl.cdiv(jnp.maximum(end - start, 0), block_tokens)
 
@@ -218,13 +243,34 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
 
     tok = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    def block_rows(i):
-        """Pool rows [N] of block i's keys and the keys' visibility. Every position in [start, end) is visible
-        (causality and the window are in the range) unless its table entry is empty."""
-        key_pos = start + i * block_tokens + tok  # [N] positions
+    pages_per_block = max(1, block_tokens // page_size)
+
+    def block_ids(i):
+        """What block i's loads need from the table, loaded ``prefetch_ids`` iterations ahead. "vector": its pool
+        rows and visibility [N] (one gathered id per key; repeats hit L1). "scalar": one id per page the block
+        covers, from which every layout builds its rows and masks by arithmetic (a gathered vector is loaded in
+        one layout and converted through shared memory for the others)."""
+        block_start = start + i * block_tokens
+        if page_ids == "scalar":
+            column = block_start // page_size - first
+            return tuple(table_ref[b, jnp.clip(column + j, 0, width - 1)] for j in range(pages_per_block))
+        key_pos = block_start + tok  # [N] positions
         column = key_pos // page_size - first  # shifts: page_size is a power of two
-        page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids (repeats hit L1)
-        valid = (key_pos < end) & (page != 0)
+        page = table_ref[b, jnp.clip(column, 0, width - 1)]  # [N] page ids
+        # Every position in [start, end) is visible (causality and the window are in the range) unless its table
+        # entry is empty.
+        return page * page_size + key_pos % page_size, (key_pos < end) & (page != 0)
+
+    def block_rows(i, ids):
+        """Pool rows [N] of block i's keys and the keys' visibility."""
+        if page_ids != "scalar":
+            return ids
+        key_pos = start + i * block_tokens + tok
+        page = ids[0]
+        for j in range(1, pages_per_block):
+            page = jnp.where(tok >= j * page_size, ids[j], page)
+        # The first block may start before lo (blocks on the page grid).
+        valid = (key_pos >= lo) & (key_pos < end) & (page != 0)
         return page * page_size + key_pos % page_size, valid
 
     def body(i, carry):
@@ -233,11 +279,12 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
             # The ids of block i came from an earlier iteration (``prefetch_ids`` blocks ahead): the K/V
             # addresses do not wait on a load of this iteration, so Triton's pipeliner can issue the K/V copies
             # for later blocks without stalling on the table, and keep num_stages - 1 blocks in flight.
-            kv_row, valid = carry[3], carry[4]
-            queue = (*carry[5:], *block_rows(i + prefetch_ids))
+            ids = carry[3:3 + len_ids]
+            queue = (*carry[3 + len_ids:], *block_ids(i + prefetch_ids))
         else:
-            kv_row, valid = block_rows(i)
+            ids = block_ids(i)
             queue = ()
+        kv_row, valid = block_rows(i, ids)
         kv_rows = kv_row[:, None]
         k = pltriton.load(k_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
         v = pltriton.load(v_ref.at[kv_rows, kv_cols[None, :]], mask=valid[:, None], other=0)
@@ -261,8 +308,9 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
             jnp.where(first_split, score, _M_INIT),
             first_split.astype(F32),
         )
+    len_ids = pages_per_block if page_ids == "scalar" else 2
     for j in range(prefetch_ids):
-        init += block_rows(j)
+        init += block_ids(j)
     acc, m, l = jax.lax.fori_loop(0, iters, body, init)[:3]
 
     # Padded rows are masked off, so on the GPU their addresses are never written (any in-bounds row will do).
@@ -281,7 +329,8 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
         pltriton.store(l_ref.at[b, s, out_rows], l, mask=row_ok)
 
 
-_STATIC = ("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "interpret")
+_STATIC = ("window", "block_tokens", "splits", "num_warps", "num_stages", "min_programs", "prefetch_ids", "page_ids",
+           "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -300,6 +349,7 @@ def paged_attention_decode(
     num_stages: int = 3,
     min_programs: int = 1024,
     prefetch_ids: int = 1,
+    page_ids: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """q: [B, 1, H, D]; k_pages, v_pages: [P, page_size, G, D]; block_table: [B, M] page ids; first_page: [B];
@@ -316,7 +366,7 @@ def paged_attention_decode(
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     out, _ = _launch(q[:, 0], k_pages, v_pages, block_table, first_page, q_positions, window, None,
                      block_tokens=block_tokens, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                     min_programs=min_programs, prefetch_ids=prefetch_ids, interpret=interpret)
+                     min_programs=min_programs, prefetch_ids=prefetch_ids, page_ids=page_ids, interpret=interpret)
     return out[:, None]
 
 
@@ -341,6 +391,7 @@ def rope_write_paged_attention_decode(
     num_stages: int = 3,
     min_programs: int = 1024,
     prefetch_ids: int = 1,
+    page_ids: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step of an attention layer after its projections, in one kernel: RoPE on the new query and key,
@@ -376,13 +427,14 @@ def rope_write_paged_attention_decode(
     out, pages = _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token,
                          packed=packed, block_tokens=block_tokens, splits=splits,
                          num_warps=num_warps, num_stages=num_stages, min_programs=min_programs,
-                         prefetch_ids=prefetch_ids, interpret=interpret)
+                         prefetch_ids=prefetch_ids, page_ids=page_ids, interpret=interpret)
     return out, *pages
 
 
 def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, new_token, *, packed: bool = False,
             block_tokens: int | None = None, splits: int | None = None, num_warps: int | None = None,
-            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, interpret: bool = False):
+            num_stages: int = 3, min_programs: int = 1024, prefetch_ids: int = 1, page_ids: str | None = None,
+            interpret: bool = False):
     """q: [B, H, D] (``packed``: [B, H + 2G, D], the new keys and values after the query heads). Returns the
     output [B, H, D] and, with ``new_token`` = (k, v, cos, sin, slots) (``packed``: (cos, sin, slots)), the pages
     with the new keys and values written (else None)."""
@@ -411,6 +463,11 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         raise ValueError(f"splits={splits} must be >= 1")
     if prefetch_ids not in (0, 1, 2):
         raise ValueError(f"prefetch_ids={prefetch_ids} must be 0, 1 or 2 (blocks of page ids loaded ahead)")
+    if page_ids is None:
+        latency = batch <= LATENCY_ROWS and batch * groups * splits <= ONE_WAVE_PROGRAMS
+        page_ids = "scalar" if latency and block_tokens // page_size <= MAX_SCALAR_PAGE_IDS else "vector"
+    if page_ids not in ("scalar", "vector"):
+        raise ValueError(f"page_ids={page_ids!r} must be 'scalar', 'vector' or None (the default by block and page)")
 
     rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
     kernel = functools.partial(
@@ -418,7 +475,7 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         block_tokens=block_tokens, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, groups=groups, interpret=interpret,
-        prefetch_ids=prefetch_ids, new_token=None if new_token is None else "packed" if packed else "separate",
+        prefetch_ids=prefetch_ids, page_ids=page_ids, new_token=None if new_token is None else "packed" if packed else "separate",
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:

@@ -289,15 +289,31 @@ def layer_chain_us(inputs, carry, groups, loop, interpret=False, repeats=3, **sc
     return seconds / (layers * loop) * 1e6, carry
 
 
+_SCHEDULE_OPTIONS = {"w": "num_warps", "st": "num_stages", "pf": "prefetch_ids"}
+
+
 def parse_schedule(text: str) -> dict:
-    """``default`` or ``BLOCKxSPLITS`` (e.g. ``128x4``) -> the kernel's keyword arguments."""
-    if text == "default":
-        return {}
+    """``default`` or ``BLOCKxSPLITS`` (e.g. ``128x4``), then optional ``:``-separated options: ``scalar`` or
+    ``vector`` (how a block's page ids are loaded), ``wN`` (num_warps), ``stN`` (num_stages), ``pfN``
+    (prefetch_ids); e.g. ``128x4:scalar:w8`` -> the kernel's keyword arguments."""
+    head, *options = text.split(":")
+    kwargs = {}
+    for option in options:
+        name = option.rstrip("0123456789")
+        if option in ("scalar", "vector"):
+            kwargs["page_ids"] = option
+        elif name in _SCHEDULE_OPTIONS and option[len(name):]:
+            kwargs[_SCHEDULE_OPTIONS[name]] = int(option[len(name):])
+        else:
+            raise argparse.ArgumentTypeError(f"schedule option {option!r} in {text!r}: expected scalar, vector, "
+                                             "wN, stN or pfN")
+    if head == "default":
+        return kwargs
     try:
-        block, splits = (int(part) for part in text.lower().split("x"))
+        block, splits = (int(part) for part in head.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"schedule {text!r}: expected 'default' or BLOCKxSPLITS, e.g. 128x4")
-    return dict(block_tokens=block, splits=splits)
+    return dict(block_tokens=block, splits=splits, **kwargs)
 
 
 def layers_section(args):
@@ -319,7 +335,7 @@ def layers_section(args):
             schedule = parse_schedule(text)
             us, carry = layer_chain_us(inputs, carry, groups, loop, interpret=dry, repeats=1 if dry else 3,
                                        **schedule)
-            block, splits = (schedule["block_tokens"], schedule["splits"]) if schedule else auto
+            block, splits = (schedule["block_tokens"], schedule["splits"]) if "splits" in schedule else auto
             log(f"[layers] B={batch} block={block} splits={splits}: {us:.2f} us per layer")
             rows.append(dict(section="layers", batch=batch, heads=f"{heads}/{groups}", dim=dim, context=context,
                              page_size=page_size, schedule=text, block_tokens=block, splits=splits,
@@ -346,7 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24, help="layers section: chained layers (own K/V pools)")
     ap.add_argument("--loop", type=int, default=10, help="layers section: device-loop iterations per call")
     ap.add_argument("--schedule", nargs="+", default=["default"],
-                    help="layers section: 'default' and/or BLOCKxSPLITS entries (block tokens x K-splits)")
+                    help="layers section: 'default' and/or BLOCKxSPLITS entries (block tokens x K-splits), each "
+                         "optionally with options (parse_schedule), e.g. 128x4:scalar:w8")
     ap.add_argument("--pools", type=int, default=3, help="independent K/V pools cycled through (defeats L2)")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per trial")

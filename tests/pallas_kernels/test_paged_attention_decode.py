@@ -68,6 +68,15 @@ def test_matches_reference_fp32(heads, groups, page_size, window, kw):
     _check(_inputs(0, heads, groups, page_size), window, 1e-5, **kw)
 
 
+@pytest.mark.parametrize("page_ids", ["scalar", "vector"])
+@pytest.mark.parametrize("page_size, window, block_tokens", [(8, 21, 32), (32, 37, 16)])
+def test_page_id_loads_match_the_reference(page_ids, page_size, window, block_tokens):
+    """Both ways of loading a block's page ids: one scalar per page (blocks aligned to the page grid, the window's
+    first keys masked: a window that starts mid-page, four pages per block, or blocks inside a page) and one
+    gathered id per key."""
+    _check(_inputs(3, 8, 2, page_size), window, 1e-5, splits=2, block_tokens=block_tokens, page_ids=page_ids)
+
+
 def test_two_rows_take_the_merge_kernel_and_match_the_reference():
     """At one or two rows the splits are merged by ``merge_splits``: rows 2 (a first page past 0, an empty entry)
     and 3 (no visible key) of the four-row inputs, alone."""
@@ -155,18 +164,21 @@ def test_bf16_128_token_blocks_at_head_dim_64():
 
 
 def test_default_schedule_regimes():
-    """64-token blocks while the programs fit in one wave of SMs; past it, 16 KB blocks per KV head (128 tokens at
-    D = 64, still 64 at D = 128) in splits of at least two blocks; fp32 keeps 32-token blocks."""
+    """64-token blocks while the programs fit in one wave of SMs (at one or two rows in splits of one block, as
+    many as the wave holds); past it, 16 KB blocks per KV head (128 tokens at D = 64, still 64 at D = 128) in
+    splits of at least two blocks; fp32 keeps 32-token blocks."""
     from pallas_kernels.paged_attention_decode import default_schedule
 
     bf16 = jnp.bfloat16
-    assert default_schedule(1, 2, 1168, 64, bf16) == (64, 9)  # 18 programs: latency regime
-    assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72
+    assert default_schedule(1, 2, 1168, 64, bf16) == (64, 18)  # 36 programs: latency regime, one block per split
+    assert default_schedule(2, 2, 1168, 64, bf16) == (64, 18)
+    assert default_schedule(1, 2, 8192, 64, bf16) == (64, 66)  # the wave's 132 programs bound the splits
+    assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72: splits of at least two blocks from 3 rows
     assert default_schedule(8, 2, 1168, 64, bf16) == (128, 4)  # 144 at 64-token blocks: past one wave
     assert default_schedule(32, 2, 1168, 64, bf16) == (128, 4)
     assert default_schedule(32, 2, 1536, 64, bf16) == (128, 6)
     assert default_schedule(8, 8, 32768, 128, bf16) == (64, 16)  # D = 128: the same blocks either way
-    assert default_schedule(1, 8, 1024, 128, bf16) == (64, 8)
+    assert default_schedule(1, 8, 1024, 128, bf16) == (64, 16)
     assert default_schedule(8, 2, 1168, 64, jnp.float32) == (32, 9)
 
 
