@@ -434,6 +434,7 @@ def sample(
     top_p: jax.Array,
     keys: jax.Array,
     filters: bool = True,
+    logprobs: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row. Pure and jittable; one compile per ``(R, V)`` shape and ``filters``.
 
@@ -448,6 +449,8 @@ def sample(
         depends only on ``keys[r]`` and ``logits[r]``.
       filters: static. False leaves out the top-k / top-p code; valid only when no row uses either (the
         engine picks the variant per step on the host, so the compiled step has no data-dependent branch).
+      logprobs: static. False leaves out the log-sum-exp over the vocabulary (a pass over the logits) and returns
+        zeros in its place: the engine's variant for steps where no row asks for log-probabilities.
 
     Returns:
       ``(tokens i32[R], logprobs f32[R])``; ``logprobs`` is the chosen token's log-probability under the
@@ -476,6 +479,8 @@ def sample(
     sampled = _gumbel_sample(keys, scaled)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
 
+    if not logprobs:
+        return tokens, jnp.zeros(tokens.shape, jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen - log_z

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from typing import Callable, Sequence
@@ -149,6 +150,7 @@ class StepInputs:
     floats: np.ndarray  # [rows, 2] float32: temperature, top-p
     layout: StepLayout
     filters: bool  # some row samples with top-k or top-p (selects the sampler variant)
+    logprobs: bool = False  # some row asks for log-probabilities (else the sampler leaves them out)
 
 
 def _stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
@@ -191,7 +193,7 @@ def build_inputs(
     floats[:, 1] = 1.0
     ints[:, col["stop_ids"]] = -1
     seed_words = np.zeros((rows, 2), np.uint32)
-    filters = False
+    filters = logprobs = False
     first_token = col["tokens"].start
     for i, row in enumerate(step.rows):
         request = row.request
@@ -214,12 +216,13 @@ def build_inputs(
         ints[i, col["stop_ids"].start : col["stop_ids"].start + len(stop)] = stop
         floats[i] = params.temperature, params.top_p
         filters |= params.uses_filters
+        logprobs |= params.logprobs
     ints[:, col["seed_hi"].start : col["seed_lo"].start + 1] = seed_words.view(np.int32)
     ints[:, col["slot"].start] = tables.slots
     for family, table in tables.tables.items():
         ints[:, col[f"first_page/{family}"].start] = tables.first_page[family]
         ints[:, col[f"tables/{family}"]] = table
-    return StepInputs(ints, floats, layout, filters)
+    return StepInputs(ints, floats, layout, filters, logprobs)
 
 
 def _unpack(ints: jax.Array, layout: StepLayout):
@@ -335,7 +338,7 @@ class StepRunner:
         jit = functools.partial(
             jax.jit,
             static_argnames=("cache_tree", "cache_specs", "layout", "placement", "decode_steps", "filters",
-                             "stop_checks"),
+                             "logprobs", "stop_checks"),
             donate_argnums=(1,),
         )
         self._prefill_step = jit(self._step_fn)
@@ -354,7 +357,8 @@ class StepRunner:
         )(param_leaves, cache_leaves, ints, floats, previous)
 
     def _step_body(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, layout, placement,
-                   decode_steps, filters, stop_checks):
+                   decode_steps, filters, stop_checks, logprobs=True):
+        want_logprobs = logprobs
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
@@ -375,10 +379,11 @@ class StepRunner:
         def one(tokens, batch, cache, i):
             logits, cache = model.forward_paged(tokens, batch, cache, placement)
             keys = keys_from_words(seeds, (scalar["counter"] + i).astype(jnp.uint32))
-            next_tokens, logprobs = sample(
-                logits.astype(jnp.float32), temperature, scalar["top_k"], top_p, keys, filters=filters
+            next_tokens, token_logprobs = sample(
+                logits.astype(jnp.float32), temperature, scalar["top_k"], top_p, keys, filters=filters,
+                logprobs=want_logprobs,
             )
-            return next_tokens, logprobs, cache
+            return next_tokens, token_logprobs, cache
 
         rows = ints.shape[0]
         if decode_steps == 1:
@@ -468,6 +473,7 @@ class StepRunner:
             placement=placement,
             decode_steps=decode_steps,
             filters=inputs.filters,
+            logprobs=inputs.logprobs,
             stop_checks=stop_checks,
         )
         if self.compilations > compilations and self.log is not None:  # this call traced (and compiled) a shape
@@ -477,8 +483,9 @@ class StepRunner:
                 what += ", tables " + " ".join(f"{f}={w}" for f, w in inputs.layout.table_widths)
             if width == 1 and decode_steps > 1 and not stop_checks:
                 what += ", no stop checks"
-            filters = ", top-k/top-p sampler" if inputs.filters else ""
-            self.log(f"compiled step ({what}{filters}) in {time.monotonic() - start:.1f}s")
+            sampler = (", top-k/top-p sampler" if inputs.filters else "") + (", log-probabilities" if inputs.logprobs
+                                                                             else "")
+            self.log(f"compiled step ({what}{sampler}) in {time.monotonic() - start:.1f}s")
         return outputs, cache_tree.unflatten(leaves)
 
     def copy_state_rows(self, cache, layers: tuple[int, ...], pairs: Sequence[tuple[int, int]]):
@@ -508,7 +515,8 @@ class StepRunner:
         both_samplers: bool = False,
     ):
         """Compile ``shapes`` now (padding-only inputs: all rows hit the sink), so serving them never waits.
-        ``both_samplers`` also compiles each shape's top-k/top-p sampler variant. A decode shape compiles both
+        ``both_samplers`` also compiles each shape's top-k/top-p sampler and log-probability variants (else they
+        compile when a request first needs them). A decode shape compiles both
         loop variants: with stop checks (dispatches whose rows may stop early on their budget) and without
         (every row's budget is the whole dispatch: the variant chained dispatches use)."""
         empty = ScheduledStep("prefill", (), ())
@@ -517,16 +525,18 @@ class StepRunner:
         for shape in shapes:
             steps = decode_steps if shape[1] == 1 else 1
             loops = (True, False) if stop_check_group(steps) < steps else (True,)
-            for filters in (False, True) if both_samplers else (False,):
-                variants += [(shape, filters, stop_checks) for stop_checks in loops]
+            samplers = itertools.product((False, True), repeat=2) if both_samplers else [(False, False)]
+            for filters, logprobs in samplers:
+                variants += [(shape, filters, logprobs, stop_checks) for stop_checks in loops]
         log, self.log = self.log, None
         try:
-            for i, (shape, filters, stop_checks) in enumerate(variants, start=1):
+            for i, (shape, filters, logprobs, stop_checks) in enumerate(variants, start=1):
                 if progress is not None:
                     progress(f"compiling step {i}/{len(variants)} (rows={shape[0]}, tokens={shape[1]}"
-                             f"{', top-k/top-p sampler' if filters else ''}"
+                             f"{', top-k/top-p sampler' if filters else ''}{', log-probabilities' if logprobs else ''}"
                              f"{'' if stop_checks else ', no stop checks'}), {time.monotonic() - start:.0f}s so far")
-                inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters)
+                inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters,
+                                             logprobs=logprobs)
                 _, cache = self.run(cache, inputs, placement, decode_steps if shape[1] == 1 else 1,
                                     stop_checks=stop_checks)
         finally:

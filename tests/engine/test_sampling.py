@@ -256,6 +256,24 @@ def test_sampler_without_filters_matches_when_no_row_uses_them():
     assert "cond" not in jax.make_jaxpr(lambda *a: sample(*a, filters=False))(*args).pretty_print()
 
 
+def test_sampler_without_logprobs_draws_the_same_tokens_and_skips_the_normaliser():
+    """``logprobs=False`` (steps where no row asks for log-probabilities) draws exactly the full sampler's tokens,
+    returns zeros for the log-probabilities, and leaves out the log-sum-exp (no exponential anywhere)."""
+    logits = _random_logits(seed=9)
+    temperature = np.where(np.arange(R) % 2 == 0, 0.0, 0.8).astype(np.float32)
+    args = (logits, temperature, np.zeros(R, np.int32), np.ones(R, np.float32), make_keys(np.arange(R) + 3, np.zeros(R)))
+    full = jax.jit(lambda *a: sample(*a, filters=False))(*args)
+    plain = jax.jit(lambda *a: sample(*a, filters=False, logprobs=False))(*args)
+    np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(full[0]))
+    np.testing.assert_array_equal(np.asarray(plain[1]), 0.0)
+    assert np.all(np.asarray(full[1]) < 0)
+
+    def primitives(**kw):
+        return {e.primitive.name for e in jax.make_jaxpr(lambda *a: sample(*a, filters=False, **kw))(*args).eqns}
+
+    assert "exp" in primitives() and "exp" not in primitives(logprobs=False)
+
+
 def test_bf16_logits_accepted():
     logits = _random_logits(seed=6)
     tokens, logprobs = _run(jax.numpy.asarray(logits, jax.numpy.bfloat16), 0.0, 0, 1.0, np.arange(R))

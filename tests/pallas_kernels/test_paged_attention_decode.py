@@ -3,6 +3,8 @@ cross-lowering for CUDA at the production shape. Kept small: the interpreter cos
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,3 +331,23 @@ def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
     diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     assert diff.max() <= 2 ** -7 * float(np.abs(np.asarray(want, np.float32)).max())
     assert (diff > 0).mean() < 0.01
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel compiled for the GPU itself")
+@pytest.mark.parametrize("rows, page_ids", [(1, None), (1, "vector"), (2, None), (32, None), (32, "scalar")])
+def test_rope_write_attention_on_the_gpu_at_the_05b_shapes(rows, page_ids):
+    """The fused decode attention as the 0.5B engine runs it (14/2 heads of 64, bf16, 16-token pages, 73-page
+    tables in random page order, context 1024; the default schedule: scalar page ids and one-block splits at one
+    and two rows, vector ids at 32) and with the other page-id loads, against the jnp chain."""
+    from apriel2_jax.benchmarking import paged_decode_inputs
+    from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
+    from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
+
+    x, qkv, [(k_pages, v_pages)] = paged_decode_inputs(rows, 14, 2, 64, 1024, 16, 73, seed=rows)
+    args = (qkv, None, None, x["cos"], x["sin"], x["slots"], k_pages, v_pages, x["table"], x["first"],
+            x["positions"])
+    want, k_want, _ = jax.jit(chain)(*args)
+    got, k_got, _ = jax.jit(functools.partial(rope_write_paged_attention_decode, page_ids=page_ids))(*args)
+    assert _rel(got, want) <= 2e-2
+    np.testing.assert_allclose(np.asarray(k_got[1:], np.float32), np.asarray(k_want[1:], np.float32), rtol=2e-2,
+                               atol=2e-2)  # the sink page 0 is the chain's to write, never the kernel's
