@@ -371,17 +371,25 @@ def hlo_sources(hlo_text: str, most: int = 3) -> dict[str, str]:
     return out
 
 
+def kernel_name(instruction: str) -> str:
+    """The name of an HLO instruction's GPU kernel as traces show it: XLA sanitises the instruction's name for the
+    kernel's symbol, '.' and '-' becoming '_' (``fusion.384`` runs as ``fusion_384``)."""
+    return instruction.replace(".", "_").replace("-", "_")
+
+
 def hlo_dump_sources(dump_dir: str, kernel_names) -> dict[str, str]:
     """``hlo_sources`` of the optimized module in an XLA dump directory (``XLA_FLAGS=--xla_dump_to=DIR
-    --xla_dump_hlo_as_text``) that names the most of ``kernel_names`` (a trace's kernels): instruction names
-    repeat across modules, and the best-covering one is the traced step's. Empty if none matches."""
+    --xla_dump_hlo_as_text``) that names the most of ``kernel_names`` (a trace's kernels), keyed by instruction
+    name and by kernel name (``kernel_name``): instruction names repeat across modules, and the best-covering one
+    is the traced step's. Empty if none matches."""
     import glob
 
     names = set(kernel_names)
     best, best_hits = {}, 0
     for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
         with open(path) as f:
-            sources = hlo_sources(f.read())
+            by_instruction = hlo_sources(f.read())
+        sources = {kernel_name(name): where for name, where in by_instruction.items()} | by_instruction
         hits = len(names & sources.keys())
         if hits > best_hits:
             best, best_hits = sources, hits

@@ -106,8 +106,15 @@ def test_hlo_dump_sources_pick_the_module_that_names_the_traced_kernels(tmp_path
         "HloModule other\n\nENTRY %main (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2]{0} parameter(0)\n}\n")
     (tmp_path / "module_0002.jit__step_fn.cpu_after_optimizations.txt").write_text(text)
     (tmp_path / "module_0002.jit__step_fn.cpu_before_optimizations.txt").write_text("not read")
-    assert hlo_dump_sources(str(tmp_path), kernels) == hlo_sources(text)
+    found = hlo_dump_sources(str(tmp_path), kernels)
+    assert {k: found[k] for k in kernels} == hlo_sources(text)
     assert hlo_dump_sources(str(tmp_path), ["no_such_kernel"]) == {}
+    # A trace names a kernel by its instruction's name with '.' (and '-') as '_': fusion.384 runs as fusion_384.
+    dotted = [name for name in kernels if "." in name]
+    assert dotted
+    by_kernel = hlo_dump_sources(str(tmp_path), [n.replace(".", "_") for n in dotted])
+    for name in dotted:
+        assert by_kernel[name.replace(".", "_")] == hlo_sources(text)[name]
 
 
 def test_paged_decode_inputs_place_each_row_at_its_position():
