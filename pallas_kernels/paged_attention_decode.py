@@ -28,7 +28,10 @@ K-split):
   carried, so the K/V addresses never wait on a table load of the same iteration (``prefetch_ids``). They are
   loaded either as one gathered id per key (``page_ids="vector"``) or, with the blocks aligned to the page grid,
   as one scalar per page the block covers, from which each layout builds its rows and masks by arithmetic
-  (``"scalar"``: no layout conversions of ids and masks in the loop; the default at one or two rows).
+  (``"scalar"``, the default at one or two rows). The ids are needed in two layouts (the K/V loads' and the
+  scores'): gathered ids are converted through shared memory between them or gathered once per layout, which
+  Triton chooses (at 32 rows and 128-token blocks: 12 layout conversions against 5 with scalar ids; at one row
+  and 64-token blocks the ids are gathered twice, one gather not prefetched).
 - Online softmax in fp32 (scores scaled by D^-0.5, exp2 with log2(e) folded in). Masked scores are -inf while the
   running max starts at a finite -1e30, so exp never sees inf - inf and a row with no visible key ends with l = 0,
   which the epilogue turns into a zero output instead of NaN.
@@ -145,11 +148,13 @@ def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
 
 
 def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dtype,
-                     min_programs: int = 1024) -> tuple[int, int]:
+                     min_programs: int = 1024, slack: int = 0) -> tuple[int, int]:
     """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
     the registers). 2-byte dtypes: ``LATENCY_BLOCK_TOKENS`` where the programs they give fit in one wave
     (``ONE_WAVE_PROGRAMS``), else throughput-regime blocks (``THROUGHPUT_BLOCK_ELEMENTS``); splits by
-    ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave."""
+    ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave.
+    ``slack``: tokens before a window's visible range that the splits also cover (scalar page ids start the first
+    block on the page grid: up to min(block, page_size) - 1)."""
     if jnp.dtype(dtype) == jnp.float32:
         block = 32
         return block, choose_splits(batch, groups, max_tokens, block, min_programs)
@@ -162,9 +167,19 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     if batch > LATENCY_ROWS:
         return block, splits
     # Splits as short as one block while the programs still fit in one wave (each program's chain of dependent
-    # loads is the cost, and more programs shorten it).
-    short = choose_splits(batch, groups, max_tokens, block, min_programs, min_tokens_per_split=block)
-    return block, max(splits, min(short, ONE_WAVE_PROGRAMS // (batch * groups)))
+    # loads is the cost, and more programs shorten it): as many as the widest visible range has whole blocks,
+    # or, with a window and its slack, blocks covering it (a window of 1024 starting mid-page spans 17).
+    blocks = -(-(max_tokens + slack) // block) if slack else max(1, max_tokens // block)
+    return block, max(splits, min(blocks, ONE_WAVE_PROGRAMS // (batch * groups)))
+
+
+def table_schedule(batch: int, groups: int, width: int, page_size: int, window: int | None, head_dim: int, dtype,
+                   min_programs: int = 1024) -> tuple[int, int]:
+    """``default_schedule`` for tables of ``width`` pages and an optional window: the kernel's defaults."""
+    max_tokens = width * page_size if window is None else min(width * page_size, window)
+    # A window narrower than the table can start mid-page, where scalar ids start a block on the page grid.
+    slack = min(LATENCY_BLOCK_TOKENS, page_size) - 1 if window is not None and window < width * page_size else 0
+    return default_schedule(batch, groups, max_tokens, head_dim, dtype, min_programs, slack=slack)
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
@@ -248,8 +263,7 @@ def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows
     def block_ids(i):
         """What block i's loads need from the table, loaded ``prefetch_ids`` iterations ahead. "vector": its pool
         rows and visibility [N] (one gathered id per key; repeats hit L1). "scalar": one id per page the block
-        covers, from which every layout builds its rows and masks by arithmetic (a gathered vector is loaded in
-        one layout and converted through shared memory for the others)."""
+        covers, from which every layout builds its rows and masks by arithmetic."""
         block_start = start + i * block_tokens
         if page_ids == "scalar":
             column = block_start // page_size - first
@@ -357,11 +371,14 @@ def paged_attention_decode(
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
     ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs; 32 for fp32); splits:
-    K-splits per (row, KV head) (default: ``choose_splits``); num_warps (default 4, 8 for fp32, whose IEEE dots
-    run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page ids
-    are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep num_stages - 1
-    K/V blocks in flight; 0 leaves one (the K/V addresses wait on the table load) and 2 defeats the pipeliner
-    (synchronous K/V loads). Swept by the benchmark.
+    K-splits per (row, KV head) (default: ``default_schedule``'s); num_warps (default 4, 8 for fp32, whose IEEE
+    dots run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page
+    ids are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep
+    num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses wait on the table load) and 2 defeats the
+    pipeliner (synchronous K/V loads); page_ids: "scalar" (one id per page a block covers, blocks on the page
+    grid) or "vector" (one gathered id per key); default: "scalar" up to ``LATENCY_ROWS`` rows while the programs
+    fit in one wave and a block covers at most ``MAX_SCALAR_PAGE_IDS`` pages, else "vector". Swept by the
+    benchmark.
     """
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     out, _ = _launch(q[:, 0], k_pages, v_pages, block_table, first_page, q_positions, window, None,
@@ -451,7 +468,8 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
     fp32 = q.dtype == jnp.float32
     max_tokens = width * page_size if window is None else min(width * page_size, window)
     if block_tokens is None:
-        block_tokens, auto_splits = default_schedule(batch, groups, max_tokens, head_dim, q.dtype, min_programs)
+        block_tokens, auto_splits = table_schedule(batch, groups, width, page_size, window, head_dim, q.dtype,
+                                                   min_programs)
         splits = auto_splits if splits is None else splits
     if num_warps is None:
         num_warps = 8 if fp32 else 4
@@ -467,7 +485,8 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         latency = batch <= LATENCY_ROWS and batch * groups * splits <= ONE_WAVE_PROGRAMS
         page_ids = "scalar" if latency and block_tokens // page_size <= MAX_SCALAR_PAGE_IDS else "vector"
     if page_ids not in ("scalar", "vector"):
-        raise ValueError(f"page_ids={page_ids!r} must be 'scalar', 'vector' or None (the default by block and page)")
+        raise ValueError(f"page_ids={page_ids!r} must be 'scalar', 'vector' or None (the default: see "
+                         "paged_attention_decode)")
 
     rows = max(16, _next_power_of_two(rep))  # the dot's M: the group's query heads, padded
     kernel = functools.partial(
@@ -492,7 +511,8 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
     inputs = [q_positions[:, 0].astype(jnp.int32), first_page.astype(jnp.int32), block_table.astype(jnp.int32), q,
               k_rows, v_rows]
     aliases = {}
-    name = f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}"
+    name = f"paged_attention_decode_ps{page_size}_n{block_tokens}_s{splits}" + ("_scalar" if page_ids == "scalar"
+                                                                                else "")
     if new_token is not None:
         inputs += list(new_token)
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}  # the pools, written in place

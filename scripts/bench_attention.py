@@ -14,7 +14,8 @@ write, paged attention and the XLA merge of the K-splits: ``rope_write_paged_att
 ``--layers`` layers of their own K/V pools chained in a device loop of ``--loop`` iterations (each layer's
 output becomes the next one's query, keys and values), so one call holds milliseconds of device work and the
 host's dispatch stays off the clock; µs per layer, for each batch and each schedule (``default``, or
-``BLOCKxSPLITS`` block tokens and K-splits). ``--table-pages`` widens the block tables as the engine's are (its
+``BLOCKxSPLITS`` block tokens and K-splits, each optionally followed by ``:scalar`` / ``:vector`` page-id loads,
+``:wN`` warps, ``:stN`` stages, ``:pfN`` blocks of ids loaded ahead, e.g. ``128x4:scalar:w8``). ``--table-pages`` widens the block tables as the engine's are (its
 decode tables span the prompt, the output and a page; the split count follows the table's width).
 
 Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
@@ -54,7 +55,7 @@ import numpy as np  # noqa: E402
 from apriel2_jax.benchmarking import hbm_bandwidth, paged_decode_inputs, print_rows, time_looped  # noqa: E402
 from apriel2_jax.ops.paged_attention import paged_attention as reference_op  # noqa: E402
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
-    default_schedule, paged_attention_decode, rope_write_paged_attention_decode)
+    paged_attention_decode, rope_write_paged_attention_decode, table_schedule)
 
 
 def log(*a):
@@ -193,9 +194,8 @@ def decode_section(args, bandwidth):
                 **x, window=window, block_tokens=n, splits=splits, num_warps=nw, num_stages=ns,
                 prefetch_ids=prefetch, interpret=dry))
 
-        max_tokens = width * page_size if window is None else min(width * page_size, window)
-        auto_block, auto_splits = default_schedule(batch, groups, max_tokens, dim, dtype)
-        configs = [(auto_block, 4, 3, None, 1)]  # the kernel's defaults for bf16
+        auto_block, auto_splits = table_schedule(batch, groups, width, page_size, window, dim, dtype)
+        configs = [(auto_block, 4, 3, auto_splits, 1)]  # the kernel's defaults for bf16
         if args.sweep:
             configs += sweep_configs(page_size, dry, full=case_index == 0)
         results = []
@@ -330,7 +330,7 @@ def layers_section(args):
         inputs, carry = layer_chain_case(batch, heads, groups, dim, context, page_size, layers,
                                          width=args.table_pages)
         width = inputs["table"].shape[1]
-        auto = default_schedule(batch, groups, width * page_size, dim, jnp.bfloat16)
+        auto = table_schedule(batch, groups, width, page_size, None, dim, jnp.bfloat16)
         for text in args.schedule:
             schedule = parse_schedule(text)
             us, carry = layer_chain_us(inputs, carry, groups, loop, interpret=dry, repeats=1 if dry else 3,

@@ -9,9 +9,9 @@ its TTIR, the Pallas lowering's output), compiled for sm_90 by the ``triton`` pa
 nvdisasm and cuobjdump; ``pip install -e '.[test]'`` pins it) with the launch's ``num_warps`` and
 ``num_stages``, and summarised: layout conversions in the TTGIR (each a round trip through shared memory),
 barriers, shared-memory loads and stores and instructions in the SASS, registers per thread. With ``--out`` the TTIR,
-TTGIR, PTX and SASS of each kernel are written there. ``--set KERNEL:KEY=VALUE`` passes an integer keyword to a
-kernel's function (e.g. ``gate_up:depth=1``, ``down:block_n=8``, ``attention:splits=4``), so variants compare
-without a GPU.
+TTGIR, PTX and SASS of each kernel are written there. ``--set KERNEL:KEY=VALUE`` passes a keyword (an integer or a
+word) to a kernel's function (e.g. ``gate_up:depth=1``, ``down:block_n=8``, ``attention:splits=4``,
+``attention:page_ids=vector``), so variants compare without a GPU.
 
 XLA compiles the same TTIR with its own Triton, so absolute figures differ from the GPU's: at the 0.5B geometry
 and one row, registers per thread on an H200 (Nsight Compute, 2026-11-29) against this compiler's: gate/up 60
@@ -154,10 +154,11 @@ def compile_sm90(kernel: dict) -> dict:
 def _parse_set(items) -> dict:
     options: dict = {}
     for item in items:
-        match = re.fullmatch(r"(\w+):(\w+)=(-?\d+)", item)
+        match = re.fullmatch(r"(\w+):(\w+)=([\w-]+)", item)
         if not match or match[1] not in KERNELS:
-            raise SystemExit(f"--set {item!r}: expected KERNEL:KEY=INTEGER with KERNEL one of {', '.join(KERNELS)}")
-        options.setdefault(match[1], {})[match[2]] = int(match[3])
+            raise SystemExit(f"--set {item!r}: expected KERNEL:KEY=VALUE with KERNEL one of {', '.join(KERNELS)}")
+        value = match[3]
+        options.setdefault(match[1], {})[match[2]] = int(value) if re.fullmatch(r"-?\d+", value) else value
     return options
 
 
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
                     help="decode rows (the engine runs the GEMV kernels at 1-2 rows, gate/up at 1)")
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     ap.add_argument("--set", nargs="*", default=[], metavar="KERNEL:KEY=VALUE",
-                    help="an integer keyword argument of a kernel's function, e.g. gate_up:depth=1")
+                    help="a keyword argument of a kernel's function (an integer, or a word), e.g. gate_up:depth=1, "
+                         "attention:page_ids=vector")
     ap.add_argument("--out", help="directory for each kernel's TTIR, TTGIR, PTX and SASS")
     args = ap.parse_args(argv)
     if args.rows < 1:
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     cases = kernel_cases(args.rows, options=options)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    print(f"{'case':<10} {'kernel':<48} {'warps':>5} {'stages':>6} {'regs':>4} {'conversions':>11} {'BAR':>4} "
+    print(f"{'case':<10} {'kernel':<56} {'warps':>5} {'stages':>6} {'regs':>4} {'conversions':>11} {'BAR':>4} "
           f"{'LDS':>4} {'STS':>4} {'SASS':>5}")
     for case in args.kernels:
         fn, fn_args = cases[case]
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
             result = compile_sm90(kernel)
             s = result["summary"]
             registers = "-" if s["registers"] is None else s["registers"]
-            print(f"{case:<10} {s['kernel']:<48} {s['warps']:>5} {s['stages']:>6} {registers:>4} "
+            print(f"{case:<10} {s['kernel']:<56} {s['warps']:>5} {s['stages']:>6} {registers:>4} "
                   f"{s['layout_conversions']:>11} {s['barriers']:>4} {s['shared_loads']:>4} {s['shared_stores']:>4} "
                   f"{s['instructions']:>5}")
             if args.out:

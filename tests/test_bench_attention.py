@@ -1,5 +1,6 @@
 """scripts/bench_attention.py's chained-layer section, in its CPU dry run (interpret mode, tiny shapes)."""
 
+import argparse
 import json
 
 import pytest
@@ -24,6 +25,15 @@ def test_layers_section_times_each_batch_and_schedule(tmp_path):
 def test_a_malformed_schedule_is_refused_by_name():
     with pytest.raises(SystemExit):
         _script().main(["--section", "layers", "--dry-run", "--schedule", "12"])
+
+
+def test_schedule_options_become_kernel_keywords():
+    parse = _script().parse_schedule
+    assert parse("128x4:scalar:w8:st2:pf0") == dict(block_tokens=128, splits=4, page_ids="scalar", num_warps=8,
+                                                    num_stages=2, prefetch_ids=0)
+    assert parse("default:vector") == {"page_ids": "vector"} and parse("default") == {}
+    with pytest.raises(argparse.ArgumentTypeError, match="fast"):
+        parse("128x4:fast")
 
 
 def test_wider_tables_set_the_default_split_count(tmp_path):

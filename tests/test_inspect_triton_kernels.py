@@ -49,5 +49,5 @@ def test_compiled_for_sm90_with_registers_and_its_layout_conversions():
 
 
 def test_a_malformed_option_is_refused_by_name():
-    with pytest.raises(SystemExit, match="KERNEL:KEY=INTEGER"):
+    with pytest.raises(SystemExit, match="KERNEL:KEY=VALUE"):
         _script().main(["--set", "gate_up:depth"])

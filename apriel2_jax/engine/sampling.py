@@ -17,7 +17,8 @@ Design choices of :func:`sample` (see its docstring for details):
   radix select). That costs ~63 fused compare-and-reduce passes over ``[R, V]`` instead of an
   ``O(V log^2 V)`` bitonic sort, needs no static cap on ``k`` and makes top-p exact over the whole vocabulary.
   A step whose rows use neither filter runs a variant without them (``filters=False``, chosen on the host):
-  a run-time ``lax.cond`` would cost a device-to-host sync inside every step.
+  a run-time ``lax.cond`` would cost a device-to-host sync inside every step. Likewise a step where no row
+  asks for log-probabilities runs without the log-sum-exp over the vocabulary (``logprobs=False``).
 * **Ties at a threshold are kept.** Top-k keeps every token whose logit equals the k-th largest, and top-p
   keeps every token whose probability equals the smallest kept one, so the result never depends on the
   vocabulary order of equal values (it may keep slightly more than ``k`` tokens / more than the minimal mass).
@@ -436,7 +437,7 @@ def sample(
     filters: bool = True,
     logprobs: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row. Pure and jittable; one compile per ``(R, V)`` shape and ``filters``.
+    """Draw one token per row. Pure and jittable; one compile per ``(R, V)`` shape, ``filters`` and ``logprobs``.
 
     Args:
       logits: ``[R, V]``, any float dtype (computed in float32).

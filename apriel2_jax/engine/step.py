@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import itertools
 import math
 import time
 from typing import Callable, Sequence
@@ -150,7 +149,7 @@ class StepInputs:
     floats: np.ndarray  # [rows, 2] float32: temperature, top-p
     layout: StepLayout
     filters: bool  # some row samples with top-k or top-p (selects the sampler variant)
-    logprobs: bool = False  # some row asks for log-probabilities (else the sampler leaves them out)
+    logprobs: bool  # some row asks for log-probabilities (else the sampler leaves them out)
 
 
 def _stop_ids(request, eos_token_ids: Sequence[int]) -> list[int]:
@@ -358,7 +357,6 @@ class StepRunner:
 
     def _step_body(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, layout, placement,
                    decode_steps, filters, stop_checks, logprobs=True):
-        want_logprobs = logprobs
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)
@@ -381,7 +379,7 @@ class StepRunner:
             keys = keys_from_words(seeds, (scalar["counter"] + i).astype(jnp.uint32))
             next_tokens, token_logprobs = sample(
                 logits.astype(jnp.float32), temperature, scalar["top_k"], top_p, keys, filters=filters,
-                logprobs=want_logprobs,
+                logprobs=logprobs,
             )
             return next_tokens, token_logprobs, cache
 
@@ -389,18 +387,18 @@ class StepRunner:
         if decode_steps == 1:
             # Padding rows are padding already; only a row a chained-onto dispatch finished needs turning into it.
             step_batch = _as_padding(batch, chained & previous_finished)
-            next_tokens, logprobs, cache = one(tokens, step_batch, cache, 0)
+            next_tokens, token_logprobs, cache = one(tokens, step_batch, cache, 0)
             counts = jnp.where(chained & previous_finished, 0, 1).astype(jnp.int32)
-            packed = _pack_outputs(next_tokens[None], logprobs[None], counts, next_tokens,
+            packed = _pack_outputs(next_tokens[None], token_logprobs[None], counts, next_tokens,
                                    finished(next_tokens, counts))
             return packed, jax.tree.leaves(cache)
 
         def body(carry):
             i, tokens, cache, out_tokens, out_logprobs, stopped, counts = carry
             step_batch = _as_padding(dataclasses.replace(batch, positions=batch.positions + i), stopped)
-            next_tokens, logprobs, cache = one(tokens, step_batch, cache, i)
+            next_tokens, token_logprobs, cache = one(tokens, step_batch, cache, i)
             out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, next_tokens, i, 0)
-            out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, logprobs, i, 0)
+            out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, token_logprobs, i, 0)
             counts = counts + (~stopped).astype(jnp.int32)
             hit = jnp.any(next_tokens[:, None] == stop_ids, axis=1) | (i + 1 >= scalar["budget"])
             return i + 1, next_tokens[:, None], cache, out_tokens, out_logprobs, stopped | hit, counts
@@ -515,8 +513,8 @@ class StepRunner:
         both_samplers: bool = False,
     ):
         """Compile ``shapes`` now (padding-only inputs: all rows hit the sink), so serving them never waits.
-        ``both_samplers`` also compiles each shape's top-k/top-p sampler and log-probability variants (else they
-        compile when a request first needs them). A decode shape compiles both
+        ``both_samplers`` also compiles each shape's top-k/top-p sampler variant. The variants computing
+        log-probabilities compile when a request first asks for them. A decode shape compiles both
         loop variants: with stop checks (dispatches whose rows may stop early on their budget) and without
         (every row's budget is the whole dispatch: the variant chained dispatches use)."""
         empty = ScheduledStep("prefill", (), ())
@@ -525,18 +523,16 @@ class StepRunner:
         for shape in shapes:
             steps = decode_steps if shape[1] == 1 else 1
             loops = (True, False) if stop_check_group(steps) < steps else (True,)
-            samplers = itertools.product((False, True), repeat=2) if both_samplers else [(False, False)]
-            for filters, logprobs in samplers:
-                variants += [(shape, filters, logprobs, stop_checks) for stop_checks in loops]
+            for filters in (False, True) if both_samplers else (False,):
+                variants += [(shape, filters, stop_checks) for stop_checks in loops]
         log, self.log = self.log, None
         try:
-            for i, (shape, filters, logprobs, stop_checks) in enumerate(variants, start=1):
+            for i, (shape, filters, stop_checks) in enumerate(variants, start=1):
                 if progress is not None:
                     progress(f"compiling step {i}/{len(variants)} (rows={shape[0]}, tokens={shape[1]}"
-                             f"{', top-k/top-p sampler' if filters else ''}{', log-probabilities' if logprobs else ''}"
+                             f"{', top-k/top-p sampler' if filters else ''}"
                              f"{'' if stop_checks else ', no stop checks'}), {time.monotonic() - start:.0f}s so far")
-                inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters,
-                                             logprobs=logprobs)
+                inputs = dataclasses.replace(build_inputs(empty, shape, cache_manager), filters=filters)
                 _, cache = self.run(cache, inputs, placement, decode_steps if shape[1] == 1 else 1,
                                     stop_checks=stop_checks)
         finally:

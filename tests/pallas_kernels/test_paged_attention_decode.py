@@ -70,13 +70,14 @@ def test_matches_reference_fp32(heads, groups, page_size, window, kw):
     _check(_inputs(0, heads, groups, page_size), window, 1e-5, **kw)
 
 
-@pytest.mark.parametrize("page_ids", ["scalar", "vector"])
-@pytest.mark.parametrize("page_size, window, block_tokens", [(8, 21, 32), (32, 37, 16)])
-def test_page_id_loads_match_the_reference(page_ids, page_size, window, block_tokens):
+@pytest.mark.parametrize("page_size, window, block_tokens, page_ids, prefetch_ids",
+                         [(8, 21, 32, "scalar", 2), (32, 37, 16, "scalar", 0), (8, 21, 32, "vector", 1)])
+def test_page_id_loads_match_the_reference(page_size, window, block_tokens, page_ids, prefetch_ids):
     """Both ways of loading a block's page ids: one scalar per page (blocks aligned to the page grid, the window's
     first keys masked: a window that starts mid-page, four pages per block, or blocks inside a page) and one
     gathered id per key."""
-    _check(_inputs(3, 8, 2, page_size), window, 1e-5, splits=2, block_tokens=block_tokens, page_ids=page_ids)
+    _check(_inputs(3, 8, 2, page_size), window, 1e-5, splits=2, block_tokens=block_tokens, page_ids=page_ids,
+           prefetch_ids=prefetch_ids)
 
 
 def test_two_rows_take_the_merge_kernel_and_match_the_reference():
@@ -102,6 +103,13 @@ def test_stale_sink_and_out_of_window_pages_are_never_read():
     out = paged_attention_decode(**dict(x, k_pages=poisoned, v_pages=x["v_pages"].at[0].set(jnp.nan)), window=40,
                                  splits=2, interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+    # Scalar page ids start a block on the page grid, before the window's first key: row 1 (position 82) sees
+    # keys 43..82, and its block from key 32 covers keys 32..42 that slid out, in the page of table column 2.
+    start_page = int(x["block_table"][1, 2])
+    slid_out = poisoned.at[start_page, :11].set(jnp.nan)
+    scalar = paged_attention_decode(**dict(x, k_pages=slid_out, v_pages=x["v_pages"].at[0].set(jnp.nan)),
+                                    window=40, splits=2, page_ids="scalar", interpret=True)
+    np.testing.assert_allclose(np.asarray(scalar), np.asarray(clean), rtol=1e-5, atol=1e-6)
 
 
 def test_entry_falls_back_for_prefill_and_unsupported_shapes():
@@ -127,6 +135,8 @@ def test_bad_inputs_raise():
         paged_attention_decode(**x, prefetch_ids=3, interpret=True)
     with pytest.raises(ValueError, match="window"):
         paged_attention_decode(**x, window=0, interpret=True)
+    with pytest.raises(ValueError, match="page_ids"):
+        paged_attention_decode(**x, page_ids="gathered", interpret=True)
 
 
 def _lowered_for_cuda(batch, heads, groups, dim, page_size, width, **kw):
@@ -157,7 +167,12 @@ def test_cross_lowers_for_cuda_at_production_shapes(page_size, window):
 def test_cross_lowers_for_cuda_with_128_token_blocks():
     """The 0.5B geometry at 32 rows (14 query heads over 2 KV heads, D = 64): the default schedule's throughput
     regime, 128-token blocks."""
-    assert "paged_attention_decode_ps16_n128_s4" in _lowered_for_cuda(32, 14, 2, 64, 16, 73)
+    assert "paged_attention_decode_ps16_n128_s4\"" in _lowered_for_cuda(32, 14, 2, 64, 16, 73)
+
+
+def test_cross_lowers_for_cuda_with_scalar_page_ids_at_one_row():
+    """The 0.5B geometry at one row: one-block splits, scalar page ids."""
+    assert "paged_attention_decode_ps16_n64_s18_scalar" in _lowered_for_cuda(1, 14, 2, 64, 16, 73)
 
 
 def test_bf16_128_token_blocks_at_head_dim_64():
@@ -169,12 +184,15 @@ def test_default_schedule_regimes():
     """64-token blocks while the programs fit in one wave of SMs (at one or two rows in splits of one block, as
     many as the wave holds); past it, 16 KB blocks per KV head (128 tokens at D = 64, still 64 at D = 128) in
     splits of at least two blocks; fp32 keeps 32-token blocks."""
-    from pallas_kernels.paged_attention_decode import default_schedule
+    from pallas_kernels.paged_attention_decode import default_schedule, table_schedule
 
     bf16 = jnp.bfloat16
     assert default_schedule(1, 2, 1168, 64, bf16) == (64, 18)  # 36 programs: latency regime, one block per split
     assert default_schedule(2, 2, 1168, 64, bf16) == (64, 18)
     assert default_schedule(1, 2, 8192, 64, bf16) == (64, 66)  # the wave's 132 programs bound the splits
+    # a 1024-token window starting mid-page spans 17 blocks on the page grid: one split each
+    assert table_schedule(1, 2, 80, 16, 1024, 64, bf16) == (64, 17)
+    assert table_schedule(1, 2, 73, 16, None, 64, bf16) == default_schedule(1, 2, 73 * 16, 64, bf16)
     assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72: splits of at least two blocks from 3 rows
     assert default_schedule(8, 2, 1168, 64, bf16) == (128, 4)  # 144 at 64-token blocks: past one wave
     assert default_schedule(32, 2, 1168, 64, bf16) == (128, 4)
@@ -219,7 +237,8 @@ def _new_token_inputs(seed, heads, groups, page_size, dtype=jnp.float32):
     "dtype, heads, groups, page_size, window, packed, kw, tol",
     [
         (jnp.float32, 8, 2, 8, None, False, dict(splits=3), 1e-5),  # the new key in split 0, the rest in 3 splits
-        (jnp.float32, 7, 1, 16, 20, True, dict(splits=1, block_tokens=16), 1e-5),  # one split writes the output
+        # one split writes the output; scalar page ids with a window starting mid-page
+        (jnp.float32, 7, 1, 16, 20, True, dict(splits=1, block_tokens=16, page_ids="scalar"), 1e-5),
         (jnp.bfloat16, 8, 2, 16, None, False, dict(splits=2, block_tokens=16), 2e-2),
     ],
 )
@@ -316,7 +335,7 @@ def test_merge_kernel_matches_the_flash_decoding_merge():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel compiled for the GPU itself")
-@pytest.mark.parametrize("batch, splits", [(1, 9), (2, 9), (32, 4)])
+@pytest.mark.parametrize("batch, splits", [(1, 18), (2, 18), (32, 4)])
 def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
     """The merge as the 0.5B decode runs it (14 query heads of 64, bf16 output) against its formula in jnp:
     equal but where an fp32 sum in another order lands on the other side of a bf16 step."""
