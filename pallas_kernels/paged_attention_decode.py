@@ -122,8 +122,8 @@ MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost 
 # (all-attention) and 1.167, 1.164 against 1.157, 1.149 (a12-g1-k11). Two rows were not measured.
 MERGE_KERNEL_MAX_ROWS = 2
 # Rows up to which the schedule is cut for latency alone: splits of one block (as many as fit in one wave) and each
-# block's page ids loaded as scalars (``page_ids="scalar"``, at most ``MAX_SCALAR_PAGE_IDS`` of them): no layout
-# conversions in the loop, and a shorter chain per program. In the engine (0.5B, context 1024, H200, 2026-11-29,
+# block's page ids loaded as scalars (``page_ids="scalar"``, at most ``MAX_SCALAR_PAGE_IDS`` of them) instead of
+# one gathered id per key in each layout that needs them, and a shorter chain per program. In the engine (0.5B, context 1024, H200, 2026-11-29,
 # alternating processes, ms per step, with / without both): all-attention B=1 0.619, 0.613 / 0.632, 0.629, B=2
 # 0.726, 0.725 / 0.739, 0.744, a12-g1-k11 B=1 0.631, 0.632 / 0.638, 0.637, B=2 0.770, 0.765 / 0.776, 0.776. At
 # 4 rows (16 splits, XLA's merge) the step was slower: all-attention 0.908, 0.908 / 0.875, 0.872. At 32 rows
