@@ -123,12 +123,12 @@ MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost 
 MERGE_KERNEL_MAX_ROWS = 2
 # Rows up to which the schedule is cut for latency alone: splits of one block (as many as fit in one wave) and each
 # block's page ids loaded as scalars (``page_ids="scalar"``, at most ``MAX_SCALAR_PAGE_IDS`` of them) instead of
-# one gathered id per key in each layout that needs them, and a shorter chain per program. In the engine (0.5B, context 1024, H200, 2026-11-29,
-# alternating processes, ms per step, with / without both): all-attention B=1 0.619, 0.613 / 0.632, 0.629, B=2
-# 0.726, 0.725 / 0.739, 0.744, a12-g1-k11 B=1 0.631, 0.632 / 0.638, 0.637, B=2 0.770, 0.765 / 0.776, 0.776. At
-# 4 rows (16 splits, XLA's merge) the step was slower: all-attention 0.908, 0.908 / 0.875, 0.872. At 32 rows
-# (128-token blocks) scalar ids were slower in the chained-layer benchmark (11.1-11.4 against 10.5-11.2 µs per
-# layer): 8 ids per block, 128 registers against 96 (sm_90, pip triton 3.6).
+# one gathered id per key in each layout that needs them, and a shorter chain per program. In the engine (0.5B,
+# context 1024, H200, 2026-11-29, alternating processes, ms per step, with / without both): all-attention B=1
+# 0.619, 0.613 / 0.632, 0.629, B=2 0.726, 0.725 / 0.739, 0.744, a12-g1-k11 B=1 0.631, 0.632 / 0.638, 0.637, B=2
+# 0.770, 0.765 / 0.776, 0.776. At 4 rows (16 splits, XLA's merge) the step was slower: all-attention 0.908,
+# 0.908 / 0.875, 0.872. At 32 rows (128-token blocks) scalar ids were slower in the chained-layer benchmark
+# (11.1-11.4 against 10.5-11.2 µs per layer): 8 ids per block, 128 registers against 96 (sm_90, pip triton 3.6).
 LATENCY_ROWS = 2
 MAX_SCALAR_PAGE_IDS = 8
 
@@ -173,17 +173,23 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     return block, max(splits, min(blocks, ONE_WAVE_PROGRAMS // (batch * groups)))
 
 
+def _widest_visible(width: int, page_size: int, window: int | None) -> int:
+    """The most keys a row can see: its table's span, or the window."""
+    return width * page_size if window is None else min(width * page_size, window)
+
+
 def table_schedule(batch: int, groups: int, width: int, page_size: int, window: int | None, head_dim: int, dtype,
                    min_programs: int = 1024) -> tuple[int, int]:
     """``default_schedule`` for tables of ``width`` pages and an optional window: the kernel's defaults."""
-    max_tokens = width * page_size if window is None else min(width * page_size, window)
+    max_tokens = _widest_visible(width, page_size, window)
     # A window narrower than the table can start mid-page, where scalar ids start a block on the page grid.
     slack = min(LATENCY_BLOCK_TOKENS, page_size) - 1 if window is not None and window < width * page_size else 0
     return default_schedule(batch, groups, max_tokens, head_dim, dtype, min_programs, slack=slack)
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
-            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, page_ids, new_token):
+            width, head_dim, window, splits, scale, precision, heads, groups, interpret, prefetch_ids, page_ids,
+            new_token):
     # Grid (G, splits, B): the launch order runs the G heads of one (row, split) side by side, so programs that
     # run together read whole [G * D] token rows of the pool between them (DRAM locality).
     g, s, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -466,7 +472,7 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
     width = block_table.shape[1]
     rep = heads // groups
     fp32 = q.dtype == jnp.float32
-    max_tokens = width * page_size if window is None else min(width * page_size, window)
+    max_tokens = _widest_visible(width, page_size, window)
     if block_tokens is None:
         block_tokens, auto_splits = table_schedule(batch, groups, width, page_size, window, head_dim, q.dtype,
                                                    min_programs)
@@ -494,7 +500,8 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         block_tokens=block_tokens, width=width, head_dim=head_dim, window=window, splits=splits,
         scale=head_dim**-0.5,
         precision=jax.lax.Precision.HIGHEST if fp32 else None, heads=heads, groups=groups, interpret=interpret,
-        prefetch_ids=prefetch_ids, page_ids=page_ids, new_token=None if new_token is None else "packed" if packed else "separate",
+        prefetch_ids=prefetch_ids, page_ids=page_ids,
+        new_token=None if new_token is None else "packed" if packed else "separate",
     )
     out_heads = heads + rows if interpret else heads  # spare rows for the interpreter (see the kernel's stores)
     if splits == 1:

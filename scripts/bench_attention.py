@@ -15,8 +15,9 @@ write, paged attention and the XLA merge of the K-splits: ``rope_write_paged_att
 output becomes the next one's query, keys and values), so one call holds milliseconds of device work and the
 host's dispatch stays off the clock; µs per layer, for each batch and each schedule (``default``, or
 ``BLOCKxSPLITS`` block tokens and K-splits, each optionally followed by ``:scalar`` / ``:vector`` page-id loads,
-``:wN`` warps, ``:stN`` stages, ``:pfN`` blocks of ids loaded ahead, e.g. ``128x4:scalar:w8``). ``--table-pages`` widens the block tables as the engine's are (its
-decode tables span the prompt, the output and a page; the split count follows the table's width).
+``:wN`` warps, ``:stN`` stages, ``:pfN`` blocks of ids loaded ahead, e.g. ``128x4:scalar:w8``).
+``--table-pages`` widens the block tables as the engine's are (its decode tables span the prompt, the output and
+a page; the split count follows the table's width).
 
 Decode: B sequences (default 64) with 32 query / 8 KV heads, D = 128, bf16, one query token each, the K/V pool
 in the engine's layout [P, page_size, G, D] with block tables in a random page order. Cases: contexts 1024, 4096

@@ -356,7 +356,7 @@ class StepRunner:
         )(param_leaves, cache_leaves, ints, floats, previous)
 
     def _step_body(self, param_leaves, cache_leaves, ints, floats, previous, *, cache_tree, layout, placement,
-                   decode_steps, filters, stop_checks, logprobs=True):
+                   decode_steps, filters, logprobs, stop_checks):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
         cache = cache_tree.unflatten(cache_leaves)
         tokens, batch, scalar, seeds, stop_ids = _unpack(ints, layout)

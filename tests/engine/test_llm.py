@@ -232,7 +232,7 @@ def test_decode_loop_reads_no_predicate_on_the_host_between_stop_checks(hybrid, 
     previous = np.zeros((2 * decode_steps + 3, 4), np.int32)
     compiled = runner._decode_step.lower(
         runner.param_leaves, leaves, inputs.ints, inputs.floats, previous, cache_tree=tree, cache_specs=None,
-        layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False,
+        layout=inputs.layout, placement=llm.placement, decode_steps=decode_steps, filters=False, logprobs=False,
         stop_checks=stop_checks).compile()
     carried = leaves[0]  # every cache array is carried through the decode loop
     cache_shape = f"f32[{','.join(map(str, carried.shape))}]"

@@ -262,7 +262,8 @@ def test_sampler_without_logprobs_draws_the_same_tokens_and_skips_the_normaliser
     returns zeros for the log-probabilities, and leaves out the log-sum-exp (no exponential anywhere)."""
     logits = _random_logits(seed=9)
     temperature = np.where(np.arange(R) % 2 == 0, 0.0, 0.8).astype(np.float32)
-    args = (logits, temperature, np.zeros(R, np.int32), np.ones(R, np.float32), make_keys(np.arange(R) + 3, np.zeros(R)))
+    keys = make_keys(np.arange(R) + 3, np.zeros(R))
+    args = (logits, temperature, np.zeros(R, np.int32), np.ones(R, np.float32), keys)
     full = jax.jit(lambda *a: sample(*a, filters=False))(*args)
     plain = jax.jit(lambda *a: sample(*a, filters=False, logprobs=False))(*args)
     np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(full[0]))
