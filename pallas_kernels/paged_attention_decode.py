@@ -131,6 +131,12 @@ MERGE_KERNEL_MAX_ROWS = 2
 # (11.1-11.4 against 10.5-11.2 µs per layer): 8 ids per block, 128 registers against 96 (sm_90, pip triton 3.6).
 LATENCY_ROWS = 2
 MAX_SCALAR_PAGE_IDS = 8
+# At one row, blocks of this many tokens where one wave holds a split for each of them: twice the programs, each a
+# shorter chain. In the engine (0.5B, context 1024, 73-page tables: 36 splits of 32 tokens against 18 of 64; H200,
+# 2026-11-29, alternating processes, ms per step, 32 / 64): all-attention B=1 0.601, 0.602 / 0.618, 0.608,
+# a12-g1-k11 0.627, 0.625 / 0.627, 0.630. At two rows (33 splits) no gain: all-attention 0.715, 0.718 / 0.714,
+# 0.706, a12-g1-k11 0.762, 0.754 / 0.760, 0.757.
+ONE_ROW_BLOCK_TOKENS = 32
 
 
 def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
@@ -152,9 +158,11 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
     the registers). 2-byte dtypes: ``LATENCY_BLOCK_TOKENS`` where the programs they give fit in one wave
     (``ONE_WAVE_PROGRAMS``), else throughput-regime blocks (``THROUGHPUT_BLOCK_ELEMENTS``); splits by
-    ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave.
-    ``slack``: tokens before a window's visible range that the splits also cover (scalar page ids start the first
-    block on the page grid: up to min(block, page_size) - 1)."""
+    ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave, at
+    one row blocks of ``ONE_ROW_BLOCK_TOKENS`` where one wave holds a split for each. ``slack``: tokens before a
+    window's visible range that the splits also cover (scalar page ids start the first block on the page grid: up
+    to min(block, page_size) - 1; ``table_schedule`` passes the bound for ``LATENCY_BLOCK_TOKENS``, at least the
+    smaller block's)."""
     if jnp.dtype(dtype) == jnp.float32:
         block = 32
         return block, choose_splits(batch, groups, max_tokens, block, min_programs)
@@ -169,8 +177,15 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     # Splits as short as one block while the programs still fit in one wave (each program's chain of dependent
     # loads is the cost, and more programs shorten it): as many as the widest visible range has whole blocks,
     # or, with a window and its slack, blocks covering it (a window of 1024 starting mid-page spans 17).
-    blocks = -(-(max_tokens + slack) // block) if slack else max(1, max_tokens // block)
-    return block, max(splits, min(blocks, ONE_WAVE_PROGRAMS // (batch * groups)))
+    wave_splits = ONE_WAVE_PROGRAMS // (batch * groups)
+
+    def blocks(size):
+        return -(-(max_tokens + slack) // size) if slack else max(1, max_tokens // size)
+
+    if batch == 1 and blocks(ONE_ROW_BLOCK_TOKENS) <= wave_splits:
+        block = ONE_ROW_BLOCK_TOKENS
+        splits = choose_splits(batch, groups, max_tokens, block, min_programs)
+    return block, max(splits, min(blocks(block), wave_splits))
 
 
 def _widest_visible(width: int, page_size: int, window: int | None) -> int:

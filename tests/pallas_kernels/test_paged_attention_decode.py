@@ -171,8 +171,9 @@ def test_cross_lowers_for_cuda_with_128_token_blocks():
 
 
 def test_cross_lowers_for_cuda_with_scalar_page_ids_at_one_row():
-    """The 0.5B geometry at one row: one-block splits, scalar page ids."""
-    assert "paged_attention_decode_ps16_n64_s18_scalar" in _lowered_for_cuda(1, 14, 2, 64, 16, 73)
+    """The 0.5B geometry at one row: one-block splits of 32 tokens, scalar page ids; at two rows of 64."""
+    assert "paged_attention_decode_ps16_n32_s36_scalar" in _lowered_for_cuda(1, 14, 2, 64, 16, 73)
+    assert "paged_attention_decode_ps16_n64_s18_scalar" in _lowered_for_cuda(2, 14, 2, 64, 16, 73)
 
 
 def test_bf16_128_token_blocks_at_head_dim_64():
@@ -182,16 +183,20 @@ def test_bf16_128_token_blocks_at_head_dim_64():
 
 def test_default_schedule_regimes():
     """64-token blocks while the programs fit in one wave of SMs (at one or two rows in splits of one block, as
-    many as the wave holds); past it, 16 KB blocks per KV head (128 tokens at D = 64, still 64 at D = 128) in
-    splits of at least two blocks; fp32 keeps 32-token blocks."""
+    many as the wave holds; at one row 32-token blocks where the wave holds one split each); past it, 16 KB
+    blocks per KV head (128 tokens at D = 64, still 64 at D = 128) in splits of at least two blocks; fp32 keeps
+    32-token blocks."""
     from pallas_kernels.paged_attention_decode import default_schedule, table_schedule
 
     bf16 = jnp.bfloat16
-    assert default_schedule(1, 2, 1168, 64, bf16) == (64, 18)  # 36 programs: latency regime, one block per split
-    assert default_schedule(2, 2, 1168, 64, bf16) == (64, 18)
+    assert default_schedule(1, 2, 1168, 64, bf16) == (32, 36)  # 72 programs: one row, one 32-token block each
+    assert default_schedule(2, 2, 1168, 64, bf16) == (64, 18)  # 72 programs: one 64-token block per split
     assert default_schedule(1, 2, 8192, 64, bf16) == (64, 66)  # the wave's 132 programs bound the splits
-    # a 1024-token window starting mid-page spans 17 blocks on the page grid: one split each
-    assert table_schedule(1, 2, 80, 16, 1024, 64, bf16) == (64, 17)
+    assert default_schedule(1, 2, 2112, 64, bf16) == (32, 66)  # 66 blocks of 32: still one per split
+    assert default_schedule(1, 2, 2144, 64, bf16) == (64, 33)  # 67 would not fit: 64-token blocks
+    # a 1024-token window starting mid-page spans 17 blocks of 64 on the page grid (33 of 32): one split each
+    assert table_schedule(2, 2, 80, 16, 1024, 64, bf16) == (64, 17)
+    assert table_schedule(1, 2, 80, 16, 1024, 64, bf16) == (32, 33)
     assert table_schedule(1, 2, 73, 16, None, 64, bf16) == default_schedule(1, 2, 73 * 16, 64, bf16)
     assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72: splits of at least two blocks from 3 rows
     assert default_schedule(8, 2, 1168, 64, bf16) == (128, 4)  # 144 at 64-token blocks: past one wave
@@ -335,7 +340,7 @@ def test_merge_kernel_matches_the_flash_decoding_merge():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel compiled for the GPU itself")
-@pytest.mark.parametrize("batch, splits", [(1, 18), (2, 18), (32, 4)])
+@pytest.mark.parametrize("batch, splits", [(1, 36), (2, 18), (32, 4)])
 def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
     """The merge as the 0.5B decode runs it (14 query heads of 64, bf16 output) against its formula in jnp:
     equal but where an fp32 sum in another order lands on the other side of a bf16 step."""
@@ -357,7 +362,7 @@ def test_merge_kernel_on_the_gpu_at_the_05b_shapes(batch, splits):
 def test_rope_write_attention_on_the_gpu_at_the_05b_shapes(rows, page_ids):
     """The fused decode attention as the 0.5B engine runs it (14/2 heads of 64, bf16, 16-token pages, 73-page
     tables in random page order, context 1024; the default schedule: scalar page ids and one-block splits at one
-    and two rows, vector ids at 32) and with the other page-id loads, against the jnp chain."""
+    (32 tokens) and two rows (64), vector ids at 32) and with the other page-id loads, against the jnp chain."""
     from apriel2_jax.benchmarking import paged_decode_inputs
     from apriel2_jax.ops.paged_attention import rope_write_paged_attention as chain
     from pallas_kernels.paged_attention_decode import rope_write_paged_attention_decode
