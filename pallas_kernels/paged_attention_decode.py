@@ -132,10 +132,12 @@ MERGE_KERNEL_MAX_ROWS = 2
 LATENCY_ROWS = 2
 MAX_SCALAR_PAGE_IDS = 8
 # At one row, blocks of this many tokens where one wave holds a split for each of them: twice the programs, each a
-# shorter chain. In the engine (0.5B, context 1024, 73-page tables: 36 splits of 32 tokens against 18 of 64; H200,
-# 2026-11-29, alternating processes, ms per step, 32 / 64): all-attention B=1 0.601, 0.602 / 0.618, 0.608,
-# a12-g1-k11 0.627, 0.625 / 0.627, 0.630. At two rows (33 splits) no gain: all-attention 0.715, 0.718 / 0.714,
-# 0.706, a12-g1-k11 0.762, 0.754 / 0.760, 0.757.
+# shorter chain. In the engine (0.5B: D = 64, 2 KV heads, context 1024, 73-page tables: 36 splits of 32 tokens
+# against 18 of 64; H200, 2026-11-29, alternating processes, ms per step, 32 / 64): all-attention B=1 0.601, 0.602
+# / 0.618, 0.608, a12-g1-k11 0.627, 0.625 / 0.627, 0.630. Other geometries (D = 128, 8 KV heads at short
+# contexts) take the same rule unmeasured. At two rows one wave holds 33 splits, fewer than the 36 blocks, so most
+# of the engine's rows ran 18 splits of two 32-token blocks: no gain (all-attention 0.715, 0.718 / 0.714, 0.706,
+# a12-g1-k11 0.762, 0.754 / 0.760, 0.757); two rows keep 64-token blocks.
 ONE_ROW_BLOCK_TOKENS = 32
 
 
@@ -154,15 +156,14 @@ def choose_splits(batch: int, groups: int, max_tokens: int, block_tokens: int,
 
 
 def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dtype,
-                     min_programs: int = 1024, slack: int = 0) -> tuple[int, int]:
+                     min_programs: int = 1024, window_page_size: int | None = None) -> tuple[int, int]:
     """(block_tokens, splits) of the kernel's defaults. fp32: 32-token blocks (its IEEE dots run on FMAs and need
     the registers). 2-byte dtypes: ``LATENCY_BLOCK_TOKENS`` where the programs they give fit in one wave
     (``ONE_WAVE_PROGRAMS``), else throughput-regime blocks (``THROUGHPUT_BLOCK_ELEMENTS``); splits by
     ``choose_splits``, down to one block each up to ``LATENCY_ROWS`` rows while the programs fit in one wave, at
-    one row blocks of ``ONE_ROW_BLOCK_TOKENS`` where one wave holds a split for each. ``slack``: tokens before a
-    window's visible range that the splits also cover (scalar page ids start the first block on the page grid: up
-    to min(block, page_size) - 1; ``table_schedule`` passes the bound for ``LATENCY_BLOCK_TOKENS``, at least the
-    smaller block's)."""
+    one row blocks of ``ONE_ROW_BLOCK_TOKENS`` where one wave holds a split for each. ``window_page_size``: the
+    page size where the visible range is a window that can start mid-page: scalar page ids start its first block
+    on the page grid, up to min(block, page_size) - 1 tokens before it, and the splits cover those too."""
     if jnp.dtype(dtype) == jnp.float32:
         block = 32
         return block, choose_splits(batch, groups, max_tokens, block, min_programs)
@@ -175,17 +176,20 @@ def default_schedule(batch: int, groups: int, max_tokens: int, head_dim: int, dt
     if batch > LATENCY_ROWS:
         return block, splits
     # Splits as short as one block while the programs still fit in one wave (each program's chain of dependent
-    # loads is the cost, and more programs shorten it): as many as the widest visible range has whole blocks,
-    # or, with a window and its slack, blocks covering it (a window of 1024 starting mid-page spans 17).
+    # loads is the cost, and more programs shorten it): as many as the widest visible range has whole blocks (a
+    # row past the last whole block gets splits of two), or, for a window, blocks covering it on the page grid (a
+    # window of 1024 starting mid-page spans 17 blocks of 64, 33 of 32).
     wave_splits = ONE_WAVE_PROGRAMS // (batch * groups)
 
-    def blocks(size):
-        return -(-(max_tokens + slack) // size) if slack else max(1, max_tokens // size)
+    def block_count(size):
+        if window_page_size is None:
+            return max(1, max_tokens // size)
+        return -(-(max_tokens + min(size, window_page_size) - 1) // size)
 
-    if batch == 1 and blocks(ONE_ROW_BLOCK_TOKENS) <= wave_splits:
+    if batch == 1 and block_count(ONE_ROW_BLOCK_TOKENS) <= wave_splits:
         block = ONE_ROW_BLOCK_TOKENS
         splits = choose_splits(batch, groups, max_tokens, block, min_programs)
-    return block, max(splits, min(blocks(block), wave_splits))
+    return block, max(splits, min(block_count(block), wave_splits))
 
 
 def _widest_visible(width: int, page_size: int, window: int | None) -> int:
@@ -198,8 +202,9 @@ def table_schedule(batch: int, groups: int, width: int, page_size: int, window: 
     """``default_schedule`` for tables of ``width`` pages and an optional window: the kernel's defaults."""
     max_tokens = _widest_visible(width, page_size, window)
     # A window narrower than the table can start mid-page, where scalar ids start a block on the page grid.
-    slack = min(LATENCY_BLOCK_TOKENS, page_size) - 1 if window is not None and window < width * page_size else 0
-    return default_schedule(batch, groups, max_tokens, head_dim, dtype, min_programs, slack=slack)
+    mid_page = window is not None and window < width * page_size
+    return default_schedule(batch, groups, max_tokens, head_dim, dtype, min_programs,
+                            window_page_size=page_size if mid_page else None)
 
 
 def _kernel(pos_ref, first_ref, table_ref, q_ref, k_ref, v_ref, *refs, rep, rows, page_size, block_tokens,
@@ -391,7 +396,8 @@ def paged_attention_decode(
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
-    ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs; 32 for fp32); splits:
+    ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs, 32 at one row where one wave
+    holds a split per block; 32 for fp32); splits:
     K-splits per (row, KV head) (default: ``default_schedule``'s); num_warps (default 4, 8 for fp32, whose IEEE
     dots run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page
     ids are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep

@@ -176,6 +176,20 @@ def test_cross_lowers_for_cuda_with_scalar_page_ids_at_one_row():
     assert "paged_attention_decode_ps16_n64_s18_scalar" in _lowered_for_cuda(2, 14, 2, 64, 16, 73)
 
 
+@pytest.mark.parametrize("page_size, window", [(16, 40), (64, 70), (8, None)])
+def test_default_one_row_schedule_matches_the_reference(page_size, window):
+    """One bf16 row at the default schedule (32-token blocks at one row; the windows start mid-page), each of
+    the inputs' three real rows alone."""
+    from pallas_kernels.paged_attention_decode import table_schedule
+
+    x = _inputs(5, 8, 2, page_size, dtype=jnp.bfloat16)
+    assert table_schedule(1, 2, WIDTH, page_size, window, 16, jnp.bfloat16)[0] == 32
+    for row in range(3):
+        one = {k: v if k in ("k_pages", "v_pages") else v[row : row + 1] for k, v in x.items()}
+        out = paged_attention_decode(**one, window=window, interpret=True)
+        assert _rel(out, reference(**one, window=window)) <= 1e-2
+
+
 def test_bf16_128_token_blocks_at_head_dim_64():
     x = _inputs(2, 4, 2, 16, head_dim=64, dtype=jnp.bfloat16)
     _check(x, None, 1e-2, splits=1, block_tokens=128)
@@ -197,6 +211,10 @@ def test_default_schedule_regimes():
     # a 1024-token window starting mid-page spans 17 blocks of 64 on the page grid (33 of 32): one split each
     assert table_schedule(2, 2, 80, 16, 1024, 64, bf16) == (64, 17)
     assert table_schedule(1, 2, 80, 16, 1024, 64, bf16) == (32, 33)
+    assert table_schedule(1, 2, 17, 64, 1000, 64, bf16) == (32, 33)  # 64-token pages: up to 31 tokens before
+    assert default_schedule(1, 8, 512, 128, bf16) == (32, 16)  # 8 KV heads: 16 splits fill the wave
+    assert default_schedule(1, 2, 16, 64, bf16) == (32, 1)
+    assert default_schedule(1, 2, 1168, 64, jnp.float32) == (32, 9)  # fp32 keeps its own schedule at one row
     assert table_schedule(1, 2, 73, 16, None, 64, bf16) == default_schedule(1, 2, 73 * 16, 64, bf16)
     assert default_schedule(4, 2, 1168, 64, bf16) == (64, 9)  # 72: splits of at least two blocks from 3 rows
     assert default_schedule(8, 2, 1168, 64, bf16) == (128, 4)  # 144 at 64-token blocks: past one wave
