@@ -397,12 +397,11 @@ def paged_attention_decode(
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
     ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs, 32 at one row where one wave
-    holds a split per block; 32 for fp32); splits:
-    K-splits per (row, KV head) (default: ``default_schedule``'s); num_warps (default 4, 8 for fp32, whose IEEE
-    dots run on FMAs and need the registers) / num_stages: Triton's; prefetch_ids: how many blocks ahead the page
-    ids are loaded (0: in the same iteration as their K/V). With Triton 3.6, 1 lets the pipeliner keep
-    num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses wait on the table load) and 2 defeats the
-    pipeliner (synchronous K/V loads); page_ids: "scalar" (one id per page a block covers, blocks on the page
+    holds a split per block; 32 for fp32); splits: K-splits per (row, KV head) (default: ``default_schedule``'s);
+    num_warps (default 4, 8 for fp32, whose IEEE dots run on FMAs and need the registers) / num_stages: Triton's;
+    prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
+    Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
+    wait on the table load) and 2 defeats the pipeliner (synchronous K/V loads); page_ids: "scalar" (one id per page a block covers, blocks on the page
     grid) or "vector" (one gathered id per key); default: "scalar" up to ``LATENCY_ROWS`` rows while the programs
     fit in one wave and a block covers at most ``MAX_SCALAR_PAGE_IDS`` pages, else "vector". Swept by the
     benchmark.
