@@ -34,6 +34,13 @@ kernels (each adds to a 128-float vector the previous one wrote) of each kind, a
 kernel (one program) and a Mosaic GPU kernel (one CTA, and one per SM), 16 in each iteration of a 16-iteration
 device loop (as the engine's decode dispatch runs its steps): µs per kernel.
 
+``--pdl-overlap`` asks whether XLA launches a Pallas Triton kernel so that it can start under the kernel before it
+(programmatic dependent launch): kernel A lets its dependents launch at once (``griddepcontrol.launch_dependents``)
+and then spins for 40 µs; kernel B, which reads A's output, stamps the global timer before its
+``griddepcontrol.wait``. B's start minus A's end, µs: about -40 where B started under A, a fraction of a µs after
+it where B waited for A to finish. Run it under each ``XLA_FLAGS`` setting of interest (``--xla_gpu_enable_pdl``,
+command buffers off).
+
 Needs a GPU (Mosaic GPU kernels do not run on the CPU).
 """
 
@@ -197,6 +204,71 @@ def launch_cost_rows(per_iteration: int = 16, iterations: int = 16) -> list[dict
     return rows
 
 
+PDL_SPIN_NS = 40_000
+
+
+def _timed_asm(text: str, arg: jax.Array) -> jax.Array:
+    """Inline PTX ``text`` with one int32 input and output per element (``$1``, ``$0``)."""
+    [out] = pltriton.elementwise_inline_asm(text, args=[arg], constraints="=r,r", pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(arg.shape, jnp.int32)])
+    return out
+
+
+def _global_timer(after: jax.Array) -> jax.Array:
+    """The global timer's low 32 bits (ns), read after ``after`` is known (so no read moves above it)."""
+    return _timed_asm("mov.u32 $0, %globaltimer_lo; // $1", after)
+
+
+def pdl_overlap_rows(lanes: int = 16, iterations: int = 8) -> list[dict]:
+    """B's start minus A's end (µs) for a Pallas Triton kernel A that triggers its dependents at once and spins
+    ``PDL_SPIN_NS``, and a kernel B reading A's output that stamps the timer before waiting (see above): once, and
+    in a device loop of ``iterations`` pairs (where XLA may put the kernels in a command buffer)."""
+    i32 = jnp.int32
+    params = pltriton.CompilerParams(num_warps=1, num_stages=1)
+
+    def spin(x_ref, o_ref, *, trigger):
+        x = x_ref[...]
+        if trigger:
+            x = _timed_asm("griddepcontrol.launch_dependents; mov.u32 $0, $1;", x)
+        start = _global_timer(x)
+        o_ref[...] = lax.while_loop(lambda t: jnp.min(t - start) < PDL_SPIN_NS, _global_timer, start)
+
+    def stamp(a_ref, o_ref, *, wait):
+        started = _global_timer(jnp.zeros((lanes,), i32) + pl.program_id(0))
+        waited = _timed_asm("griddepcontrol.wait; mov.u32 $0, $1;", started) if wait else started
+        a_end = a_ref[pl.ds(jnp.min(waited - waited), lanes)]  # addressed through the wait: loaded after it
+        o_ref[pl.ds(0, lanes)] = started
+        o_ref[pl.ds(lanes, lanes)] = a_end
+
+    def pair(x, trigger, wait):
+        a = pl.pallas_call(functools.partial(spin, trigger=trigger), grid=(1,), compiler_params=params,
+                           out_shape=jax.ShapeDtypeStruct((lanes,), i32), name="pdl_spin")(x)
+        return pl.pallas_call(functools.partial(stamp, wait=wait), grid=(1,), compiler_params=params,
+                              out_shape=jax.ShapeDtypeStruct((2 * lanes,), i32), name="pdl_stamp")(a)
+
+    device = jax.devices()[0].device_kind
+    flags = os.environ.get("XLA_FLAGS", "")
+    x = jnp.zeros((lanes,), i32)
+    rows = []
+    for trigger, wait in ((True, True), (False, True)):
+        once = jax.jit(lambda x, t=trigger, w=wait: pair(x, t, w)[None])
+
+        @jax.jit
+        def looped(x, t=trigger, w=wait):
+            def body(i, stamps):
+                previous = stamps[jnp.maximum(i - 1, 0), :lanes]
+                return stamps.at[i].set(pair(x + previous * 0, t, w))  # each pair after the one before
+            return lax.fori_loop(0, iterations, body, jnp.zeros((iterations, 2 * lanes), i32))
+
+        for way, fn in (("once", once), (f"device loop of {iterations}", looped)):
+            stamps = jnp.concatenate([fn(x) for _ in range(5)])
+            gaps = (stamps[:, 0] - stamps[:, lanes]).astype(jnp.float32) / 1e3  # int32 wrap-around is exact
+            rows.append(dict(device=device, xla_flags=flags or "-", a_triggers=trigger, b_waits=wait, way=way,
+                             b_start_minus_a_end_us_median=round(float(jnp.median(gaps)), 2),
+                             min=round(float(jnp.min(gaps)), 2)))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2 * 4864, help="rows of each matrix (default: gate + up, 0.5B)")
@@ -208,6 +280,8 @@ def main(argv=None) -> int:
                     "per SM); e.g. 76 132 asks whether 76 SMs (the decode MLP kernel's feature CTAs at the 0.5B "
                     "geometry) reach the bandwidth of all of them")
     ap.add_argument("--launch-cost", action="store_true", help="tiny dependent kernels' cost instead (see above)")
+    ap.add_argument("--pdl-overlap", action="store_true", help="whether a Pallas Triton kernel can start under "
+                    "the one before it (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -215,6 +289,9 @@ def main(argv=None) -> int:
         return 2
     if args.launch_cost:
         print_rows(launch_cost_rows(), args.json)
+        return 0
+    if args.pdl_overlap:
+        print_rows(pdl_overlap_rows(), args.json)
         return 0
     if args.n % 2:
         raise SystemExit(f"--n {args.n} must be even (the GEMV reads it as gate and up halves)")
