@@ -562,14 +562,27 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         return out[0][:, :heads], pages
     if batch <= MERGE_KERNEL_MAX_ROWS:
         return merge_splits(*out, heads=heads, dtype=q.dtype, interpret=interpret), pages
-    acc, m, l = (x[:, :, :heads] for x in out)
-    # The merge as ``_merge_kernel`` computes it, in XLA
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp2(m - m_max)
-    l_sum = jnp.sum(w * l, axis=1)
-    o_sum = jnp.sum(w[..., None] * acc, axis=1)
+    return merge_splits_unrolled(*(x[:, :, :heads] for x in out), dtype=q.dtype), pages
+
+
+def merge_splits_unrolled(acc: jax.Array, m: jax.Array, l: jax.Array, *, dtype) -> jax.Array:
+    """The merge ``_merge_kernel`` computes, in XLA, above ``MERGE_KERNEL_MAX_ROWS`` rows: elementwise over the
+    splits one after another (a fixed order), so XLA emits one loop fusion instead of reductions over a short
+    axis. In the engine (0.5B all-attention, context 1024, H200, 2026-11-29, alternating processes, ms per step,
+    unrolled / reductions): B=4 (16 splits) 0.836, 0.839 / 0.866, 0.857; B=32 (4 splits) 0.961, 0.963 / 0.968,
+    0.968; B=8 (8 splits) 0.806, 0.801 / 0.801, 0.798."""
+    splits = acc.shape[1]
+    m_max = m[:, 0]
+    for s in range(1, splits):
+        m_max = jnp.maximum(m_max, m[:, s])
+    weights = [jnp.exp2(m[:, s] - m_max) for s in range(splits)]
+    l_sum = weights[0] * l[:, 0]
+    o_sum = weights[0][..., None] * acc[:, 0]
+    for s in range(1, splits):
+        l_sum = l_sum + weights[s] * l[:, s]
+        o_sum = o_sum + weights[s][..., None] * acc[:, s]
     o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
-    return o.astype(q.dtype), pages
+    return o.astype(dtype)
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits, padded_splits, head_dim):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference
-from pallas_kernels.paged_attention_decode import (merge_splits, paged_attention, paged_attention_decode,
-                                                   unsupported_reason)
+from pallas_kernels.paged_attention_decode import (merge_splits, merge_splits_unrolled, paged_attention,
+                                                   paged_attention_decode, unsupported_reason)
 
 PAGES = 24
 WIDTH = 6
@@ -332,10 +332,10 @@ def test_rope_write_attention_cross_lowers_for_cuda():
         assert "triton" in lowered.as_text().lower()
 
 
-def test_merge_kernel_matches_the_flash_decoding_merge():
-    """The split merge (one kernel) against its formula in jnp: 9 splits (not a power of two), empty splits (m =
-    -1e30, l = 0) in a row, a row whose splits are all empty (zero output, not NaN), and partials with spare head
-    rows past the merged heads (the interpreter's layout) that must not be read."""
+def _merge_inputs():
+    """Split partials for the merges: 9 splits (not a power of two), empty splits (m = -1e30, l = 0) in a row, a
+    row whose splits are all empty, and spare head rows past the merged heads (the interpreter's layout). Returns
+    (acc, m, l, heads, the flash-decoding merge of the first ``heads`` heads in jnp)."""
     rng = np.random.default_rng(0)
     batch, splits, heads, spare, dim = 3, 9, 5, 3, 16
     acc = jnp.asarray(rng.standard_normal((batch, splits, heads + spare, dim)), jnp.float32)
@@ -347,14 +347,30 @@ def test_merge_kernel_matches_the_flash_decoding_merge():
     m = jnp.where(empty, -1e30, m)
     l = jnp.where(empty, 0.0, l)
     acc = jnp.where(empty[..., None], 0.0, acc)
-    got = merge_splits(acc, m, l, heads=heads, dtype=jnp.float32, interpret=True)
     a, mm, ll = acc[:, :, :heads], m[:, :, :heads], l[:, :, :heads]
     w = jnp.exp2(mm - jnp.max(mm, axis=1, keepdims=True))
     l_sum = jnp.sum(w * ll, axis=1)
     want = jnp.sum(w[..., None] * a, axis=1) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    assert got.shape == (batch, heads, dim)
+    return acc, m, l, heads, want
+
+
+def test_merge_kernel_matches_the_flash_decoding_merge():
+    """The split merge (one kernel) against its formula in jnp; the spare head rows must not be read, and a row
+    with no visible key gets zeros, not NaN."""
+    acc, m, l, heads, want = _merge_inputs()
+    got = merge_splits(acc, m, l, heads=heads, dtype=jnp.float32, interpret=True)
+    assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     assert not np.any(np.asarray(got[2]))  # no visible key: zeros
+
+
+def test_unrolled_merge_matches_the_flash_decoding_merge():
+    """The merge above the merge kernel's rows (XLA, splits one after another) against the same formula."""
+    acc, m, l, heads, want = _merge_inputs()
+    got = merge_splits_unrolled(acc[:, :, :heads], m[:, :, :heads], l[:, :, :heads], dtype=jnp.float32)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    assert not np.any(np.asarray(got[2]))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel compiled for the GPU itself")
