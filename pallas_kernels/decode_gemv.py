@@ -21,7 +21,9 @@ loop is unrolled and loads go out a group of chunks ahead of the products that u
 
 Each product costs an FMA per weight element and row, and the accumulators grow with the rows, so the kernels
 lose to XLA's tensor-core GEMMs beyond a row or two: the dispatch entries take them up to ``KERNEL_ROWS`` rows
-(at 4 rows the Q/K/V kernel alone took the 0.5B all-attention step from 1.15 to 1.51 ms).
+(at 4 rows the Q/K/V kernel alone took the 0.5B all-attention step from 1.15 to 1.51 ms), and only for weights
+of up to ``KERNEL_MAX_WEIGHT_BYTES`` per call: larger matrices stream long enough for XLA's fusions to reach the
+bandwidth, which these kernels, built to cut latency, do not.
 
 fp32 inputs are multiplied and summed in fp32, so the kernels match the fp32 oracle to summation order.
 """
@@ -48,6 +50,13 @@ MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element a
 # geometry; the MLP kernels at two rows took 18.7 µs per layer against XLA's 16.7); above them the entries run the
 # jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
 KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
+# The dispatch entries' limit on one call's weights: the kernels pay for latency (a kernel's start and tail, a few
+# µs) that small matrices cannot hide, while a large matrix streams long enough for XLA's fusions to reach the
+# bandwidth, which the kernels do not. At the 0.5B geometry (up to 17.4 MB: gate and up) the kernels win; at the
+# 15B's (42-294 MB per call) they lost at one and two rows: superapriel-15b-shaped all-attention, context 1024,
+# H200, 2026-11-29, ms per step with every kernel / none: B=1 9.145 / 8.044, B=2 10.097 / 8.003 (roofline 7.6).
+# The limit lies between the two geometries' sizes, where nothing was measured.
+KERNEL_MAX_WEIGHT_BYTES = 32 * 2**20
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
 # A step reads each weight once: its lines go first from L2, ahead of the activations, K/V and states the step
 # reads again. 24 layers of the 0.5B MLP (norm + gate/up, down) chained: 13.28 µs per layer against 13.67-13.70
@@ -81,9 +90,11 @@ def _common_reason(x, weights, norm_weight=None) -> str | None:
     return None
 
 
-def _takes(op: str, reason: str | None, rows: int) -> bool:
-    """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, at most ``KERNEL_ROWS[op]`` rows."""
-    return reason is None and rows <= KERNEL_ROWS[op]
+def _takes(op: str, reason: str | None, rows: int, weights) -> bool:
+    """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, at most ``KERNEL_ROWS[op]`` rows and
+    ``KERNEL_MAX_WEIGHT_BYTES`` of ``weights``."""
+    weight_bytes = sum(w.size * jnp.dtype(w.dtype).itemsize for w in weights)
+    return reason is None and rows <= KERNEL_ROWS[op] and weight_bytes <= KERNEL_MAX_WEIGHT_BYTES
 
 
 def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
@@ -226,7 +237,7 @@ def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: i
 
 def matmul_add(x, weight, residual):
     """Dispatch entry for "matmul_add": the kernel where it takes the shapes, else the jnp chain."""
-    if not _takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0]):
+    if not _takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0], (weight,)):
         return reference.matmul_add(x, weight, residual)
     return matmul_add_kernel(x, weight, residual)
 
@@ -298,7 +309,8 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
 
 def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
     """Dispatch entry for "norm_gated_mlp"."""
-    if not _takes("norm_gated_mlp", norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act), x.shape[0]):
+    reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
+    if not _takes("norm_gated_mlp", reason, x.shape[0], (w_gate, w_up)):
         return reference.norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act)
     return norm_gated_mlp_kernel(x, norm_weight, float(eps), w_gate, w_up, act)
 
@@ -389,7 +401,8 @@ def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None =
 def norm_projections(x, norm_weight, eps, weights, pad_columns: bool = False):
     """Dispatch entry for "norm_projections" (its output has no padding columns)."""
     del pad_columns
-    if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0]):
+    if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0],
+                  weights):
         return reference.norm_projections(x, norm_weight, eps, weights)
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))
 
@@ -449,12 +462,12 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh,
                           pad_columns: bool = False):
-    """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows;
-    above, the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and the
+    """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows (and
+    ``KERNEL_MAX_WEIGHT_BYTES``); otherwise the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and the
     conv kernel writing its output over its input columns (no concatenation)."""
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
-    if _takes("norm_projections", reason, x.shape[0]):
+    if _takes("norm_projections", reason, x.shape[0], weights):
         return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
                                             slots, fresh)
     proj = dispatch.op("norm_projections")(x, norm_weight, eps, weights, pad_columns)

@@ -136,6 +136,19 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
     norm = f(32)
     np.testing.assert_array_equal(np.asarray(kernels.norm_projections(x, norm, 1e-5, (weight, weight))),
                                   np.asarray(reference.norm_projections(x, norm, 1e-5, (weight, weight))))
+    # Weights past the entries' limit per call run the chain too, at one row.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES", weight.size * weight.dtype.itemsize - 1)
+        x, residual = f(1, 32), f(1, 16)
+        assert kernels._takes("matmul_add", None, 1, (weight[:8],))
+        assert not kernels._takes("matmul_add", None, 1, (weight,))
+        np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, weight, residual)),
+                                      np.asarray(reference.matmul_add(x, weight, residual)))
+        np.testing.assert_array_equal(
+            np.asarray(kernels.norm_gated_mlp(x, norm, 1e-5, weight, weight, "silu")),
+            np.asarray(reference.norm_gated_mlp(x, norm, 1e-5, weight, weight, "silu")))
+        np.testing.assert_array_equal(np.asarray(kernels.norm_projections(x, norm, 1e-5, (weight, weight))),
+                                      np.asarray(reference.norm_projections(x, norm, 1e-5, (weight, weight))))
     with pytest.raises(ValueError, match="block_n=16 does not divide"):
         kernels.norm_projections_kernel(f(1, 32), f(32), 1e-5, (f(8, 32),), block_n=16, interpret=True)
     with pytest.raises(ValueError, match="between 1 and"):
