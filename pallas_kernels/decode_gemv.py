@@ -90,7 +90,7 @@ def _common_reason(x, weights, norm_weight=None) -> str | None:
     return None
 
 
-def _takes(op: str, reason: str | None, rows: int, weights) -> bool:
+def takes(op: str, reason: str | None, rows: int, weights) -> bool:
     """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, at most ``KERNEL_ROWS[op]`` rows and
     ``KERNEL_MAX_WEIGHT_BYTES`` of ``weights``."""
     weight_bytes = sum(w.size * jnp.dtype(w.dtype).itemsize for w in weights)
@@ -237,7 +237,7 @@ def matmul_add_kernel(x, weight, residual, *, chunk: int | None = None, depth: i
 
 def matmul_add(x, weight, residual):
     """Dispatch entry for "matmul_add": the kernel where it takes the shapes, else the jnp chain."""
-    if not _takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0], (weight,)):
+    if not takes("matmul_add", matmul_add_unsupported(x, weight, residual), x.shape[0], (weight,)):
         return reference.matmul_add(x, weight, residual)
     return matmul_add_kernel(x, weight, residual)
 
@@ -310,7 +310,7 @@ def norm_gated_mlp_kernel(x, norm_weight, eps, w_gate, w_up, act, *, chunk: int 
 def norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act):
     """Dispatch entry for "norm_gated_mlp"."""
     reason = norm_gated_mlp_unsupported(x, norm_weight, eps, w_gate, w_up, act)
-    if not _takes("norm_gated_mlp", reason, x.shape[0], (w_gate, w_up)):
+    if not takes("norm_gated_mlp", reason, x.shape[0], (w_gate, w_up)):
         return reference.norm_gated_mlp(x, norm_weight, eps, w_gate, w_up, act)
     return norm_gated_mlp_kernel(x, norm_weight, float(eps), w_gate, w_up, act)
 
@@ -401,7 +401,7 @@ def norm_projections_kernel(x, norm_weight, eps, weights, *, chunk: int | None =
 def norm_projections(x, norm_weight, eps, weights, pad_columns: bool = False):
     """Dispatch entry for "norm_projections" (its output has no padding columns)."""
     del pad_columns
-    if not _takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0],
+    if not takes("norm_projections", norm_projections_unsupported(x, norm_weight, eps, weights), x.shape[0],
                   weights):
         return reference.norm_projections(x, norm_weight, eps, weights)
     return norm_projections_kernel(x, norm_weight, float(eps), tuple(weights))
@@ -463,11 +463,11 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh,
                           pad_columns: bool = False):
     """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows (and
-    ``KERNEL_MAX_WEIGHT_BYTES``); otherwise the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and the
-    conv kernel writing its output over its input columns (no concatenation)."""
+    ``KERNEL_MAX_WEIGHT_BYTES``); otherwise the dispatched projections (``decode_projections``' kernel from 8 rows,
+    XLA's GEMMs elsewhere) and the conv kernel writing its output over its input columns (no concatenation)."""
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
-    if _takes("norm_projections", reason, x.shape[0], weights):
+    if takes("norm_projections", reason, x.shape[0], weights):
         return norm_projections_conv_kernel(x, norm_weight, float(eps), weights, conv_weight, conv_bias, conv_pool,
                                             slots, fresh)
     proj = dispatch.op("norm_projections")(x, norm_weight, eps, weights, pad_columns)

@@ -70,13 +70,14 @@ def calls_for(kind, rows, args, rand):
         qkv = (rand(q_width, hidden), rand(kv_width, hidden), rand(kv_width, hidden))
         o_proj = rand(hidden, q_width)
         calls = [
-            ("norm_gated_mlp", lambda: decode_gemv.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu")),
-            ("matmul_add", lambda: decode_gemv.matmul_add_kernel(product, down, x)),
-            ("norm_projections", lambda: decode_gemv.norm_projections_kernel(x, norm, 1e-5, qkv)),
-            ("matmul_add", lambda: decode_gemv.matmul_add_kernel(attention_out, o_proj, x)),
+            ("norm_gated_mlp", (gate, up), lambda: decode_gemv.norm_gated_mlp_kernel(x, norm, 1e-5, gate, up, "silu")),
+            ("matmul_add", (down,), lambda: decode_gemv.matmul_add_kernel(product, down, x)),
+            ("norm_projections", qkv, lambda: decode_gemv.norm_projections_kernel(x, norm, 1e-5, qkv)),
+            ("matmul_add", (o_proj,), lambda: decode_gemv.matmul_add_kernel(attention_out, o_proj, x)),
         ]
-        # only where the engine runs them (``decode_gemv.KERNEL_ROWS``: gate/up at one row, the others at two)
-        return [call for op, call in calls if rows <= decode_gemv.KERNEL_ROWS[op]]
+        # only where the engine runs them (``decode_gemv.takes``: gate/up at one row, the others at two, weights of
+        # up to ``KERNEL_MAX_WEIGHT_BYTES`` per call)
+        return [call for op, weights, call in calls if decode_gemv.takes(op, None, rows, weights)]
     if kind == "attention":
         inputs = attention_inputs(rows, args.heads, args.groups, args.head_dim, args.context, args.page_size)
         fn = jax.jit(rope_write_paged_attention_decode)

@@ -5,6 +5,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tests.helpers import load_script
 
@@ -26,6 +27,12 @@ def test_gemv_calls_only_where_the_engine_runs_them():
     rand = script.random_bf16(jax.random.PRNGKey(0))
     counts = {rows: len(script.calls_for("gemv", rows, args, rand)) for rows in (1, 2, 3)}
     assert counts == {1: 4, 2: 3, 3: 0}  # gate/up at one row, down, Q/K/V and the output projection at two
+    # Weights past the engine's limit per call: gate and up (2 x 16 KB here) leave, the rest (<= 16 KB) stay.
+    from pallas_kernels import decode_gemv
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_gemv, "KERNEL_MAX_WEIGHT_BYTES", 16 * 1024)
+        assert len(script.calls_for("gemv", 1, args, rand)) == 3
 
 
 def test_random_inputs_never_run_out_of_keys():

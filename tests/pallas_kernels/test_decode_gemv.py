@@ -140,8 +140,8 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES", weight.size * weight.dtype.itemsize - 1)
         x, residual = f(1, 32), f(1, 16)
-        assert kernels._takes("matmul_add", None, 1, (weight[:8],))
-        assert not kernels._takes("matmul_add", None, 1, (weight,))
+        assert kernels.takes("matmul_add", None, 1, (weight[:8],))
+        assert not kernels.takes("matmul_add", None, 1, (weight,))
         np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, weight, residual)),
                                       np.asarray(reference.matmul_add(x, weight, residual)))
         np.testing.assert_array_equal(
