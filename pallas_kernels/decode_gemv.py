@@ -50,13 +50,14 @@ MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element a
 # geometry; the MLP kernels at two rows took 18.7 µs per layer against XLA's 16.7); above them the entries run the
 # jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
 KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
-# The dispatch entries' limit on one call's weights: the kernels pay for latency (a kernel's start and tail, a few
-# µs) that small matrices cannot hide, while a large matrix streams long enough for XLA's fusions to reach the
-# bandwidth, which the kernels do not. At the 0.5B geometry (up to 17.4 MB: gate and up) the kernels win; at the
-# 15B's (42-294 MB per call) they lost at one and two rows: superapriel-15b-shaped all-attention, context 1024,
-# H200, 2026-11-29, ms per step with every kernel / none: B=1 9.145 / 8.044, B=2 10.097 / 8.003 (roofline 7.6).
-# The limit lies between the two geometries' sizes, where nothing was measured.
-KERNEL_MAX_WEIGHT_BYTES = 32 * 2**20
+# The dispatch entries' limit on one call's weights (per device: under tensor parallelism the entries see their
+# shard). The kernels pay for latency (a kernel's start and tail, a few µs) that small matrices cannot hide, while a
+# large matrix streams long enough for XLA's fusions to reach the bandwidth, which the kernels do not. At the 0.5B
+# geometry (up to 17.4 MB: gate and up) the kernels win; at the 15B's (42-294 MB per call) they lost at one and two
+# rows: superapriel-15b-shaped all-attention, context 1024, H200, 2026-11-29, ms per step with every kernel / none:
+# B=1 9.145 / 8.044, B=2 10.097 / 8.003 (roofline 7.6). Between the two nothing was measured; the limit sits just
+# above the measured win, since a wrong choice costs the kernels' 1-2% where they win and up to 20% where they lose.
+KERNEL_MAX_WEIGHT_BYTES = 17 * 2**20
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
 # A step reads each weight once: its lines go first from L2, ahead of the activations, K/V and states the step
 # reads again. 24 layers of the 0.5B MLP (norm + gate/up, down) chained: 13.28 µs per layer against 13.67-13.70

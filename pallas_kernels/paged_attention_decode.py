@@ -114,9 +114,9 @@ ONE_WAVE_PROGRAMS = 132  # an H100's or H200's SM count
 LATENCY_BLOCK_TOKENS = 64
 THROUGHPUT_BLOCK_ELEMENTS = 8192
 MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost and its share of the merge for little
-# Rows up to which the splits are merged by ``merge_splits`` (one kernel), above by XLA. XLA runs the merge as two
-# fusions, which it cannot fuse into the output projection while that is decode_gemv's kernel (one or two rows);
-# above, XLA's projection follows and the kernel was not faster. In the engine (0.5B, context 1024, H100,
+# Rows up to which the splits are merged by ``merge_splits`` (one kernel), above by XLA (``merge_splits_xla``).
+# XLA's merge is a fusion (two with reductions) of its own either way: it does not fuse it into the output
+# projection that follows, its own GEMM or decode_gemv's kernel; above two rows the kernel was not faster. In the engine (0.5B, context 1024, H100,
 # 2026-11-28, alternating processes) the kernel took all-attention B=1 from 0.782, 0.782 to 0.769, 0.754 ms and
 # a12-g1-k11 B=1 from 0.780, 0.786 to 0.778, 0.779; at B=32 it gave 1.121, 1.111 against 1.113, 1.113
 # (all-attention) and 1.167, 1.164 against 1.157, 1.149 (a12-g1-k11). Two rows were not measured.
@@ -562,16 +562,31 @@ def _launch(q, k_pages, v_pages, block_table, first_page, q_positions, window, n
         return out[0][:, :heads], pages
     if batch <= MERGE_KERNEL_MAX_ROWS:
         return merge_splits(*out, heads=heads, dtype=q.dtype, interpret=interpret), pages
-    return merge_splits_unrolled(*(x[:, :, :heads] for x in out), dtype=q.dtype), pages
+    return merge_splits_xla(*(x[:, :, :heads] for x in out), dtype=q.dtype), pages
 
 
-def merge_splits_unrolled(acc: jax.Array, m: jax.Array, l: jax.Array, *, dtype) -> jax.Array:
-    """The merge ``_merge_kernel`` computes, in XLA, above ``MERGE_KERNEL_MAX_ROWS`` rows: elementwise over the
-    splits one after another (a fixed order), so XLA emits one loop fusion instead of reductions over a short
-    axis. In the engine (0.5B all-attention, context 1024, H200, 2026-11-29, alternating processes, ms per step,
-    unrolled / reductions): B=4 (16 splits) 0.836, 0.839 / 0.866, 0.857; B=32 (4 splits) 0.961, 0.963 / 0.968,
-    0.968; B=8 (8 splits) 0.806, 0.801 / 0.801, 0.798."""
+# Splits up to which XLA's merge is written one split after another (``merge_splits_xla``). Its compile time grows
+# faster than the splits (XLA's CPU compile of one merge at 4 rows: 0.3 s at 16 splits, 0.7 s at 32, 7.1 s at 128,
+# against 0.05-0.1 s with reductions; the GPU's not measured), and the default schedule gives up to ~170 splits at
+# 3-4 rows of a long context. It was measured in the engine at 4-16 splits only.
+UNROLLED_MERGE_MAX_SPLITS = 16
+
+
+def merge_splits_xla(acc: jax.Array, m: jax.Array, l: jax.Array, *, dtype) -> jax.Array:
+    """The merge ``_merge_kernel`` computes, in XLA (above ``MERGE_KERNEL_MAX_ROWS`` rows). Up to
+    ``UNROLLED_MERGE_MAX_SPLITS`` splits it is written elementwise, one split after another (a fixed order), so
+    XLA emits one loop fusion instead of reductions over a short axis. In the engine (0.5B all-attention, context
+    1024, H200, 2026-11-29, alternating processes, ms per step, unrolled / reductions): B=4 (16 splits) 0.836,
+    0.839 / 0.866, 0.857; B=32 (4 splits) 0.961, 0.963 / 0.968, 0.968; B=8 (8 splits) 0.806, 0.801 / 0.801,
+    0.798. acc [B, S, H, D], m and l [B, S, H], fp32; returns [B, H, D] in ``dtype``."""
     splits = acc.shape[1]
+    if splits > UNROLLED_MERGE_MAX_SPLITS:
+        m_max = jnp.max(m, axis=1)
+        weights = jnp.exp2(m - m_max[:, None])
+        l_sum = jnp.sum(weights * l, axis=1)
+        o_sum = jnp.sum(weights[..., None] * acc, axis=1)
+        return jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None],
+                         0.0).astype(dtype)
     m_max = m[:, 0]
     for s in range(1, splits):
         m_max = jnp.maximum(m_max, m[:, s])

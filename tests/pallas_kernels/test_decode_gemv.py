@@ -136,14 +136,16 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
     norm = f(32)
     np.testing.assert_array_equal(np.asarray(kernels.norm_projections(x, norm, 1e-5, (weight, weight))),
                                   np.asarray(reference.norm_projections(x, norm, 1e-5, (weight, weight))))
-    # Weights past the entries' limit per call run the chain too, at one row.
+    # Weights past the entries' limit per call run the chain too, at one row: the limit holds one weight of 2 KB,
+    # not two (the entries count every weight of the call) nor one of 4 KB.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES", weight.size * weight.dtype.itemsize - 1)
-        x, residual = f(1, 32), f(1, 16)
-        assert kernels.takes("matmul_add", None, 1, (weight[:8],))
-        assert not kernels.takes("matmul_add", None, 1, (weight,))
-        np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, weight, residual)),
-                                      np.asarray(reference.matmul_add(x, weight, residual)))
+        patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES", 3 * weight.size * weight.dtype.itemsize // 2)
+        x, wide, residual = f(1, 32), f(32, 32), f(1, 32)
+        assert kernels.takes("matmul_add", None, 1, (weight,))
+        assert not kernels.takes("matmul_add", None, 1, (wide,))
+        assert not kernels.takes("norm_projections", None, 1, (weight, weight))
+        np.testing.assert_array_equal(np.asarray(kernels.matmul_add(x, wide, residual)),
+                                      np.asarray(reference.matmul_add(x, wide, residual)))
         np.testing.assert_array_equal(
             np.asarray(kernels.norm_gated_mlp(x, norm, 1e-5, weight, weight, "silu")),
             np.asarray(reference.norm_gated_mlp(x, norm, 1e-5, weight, weight, "silu")))

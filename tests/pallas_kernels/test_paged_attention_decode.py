@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from apriel2_jax.ops.paged_attention import paged_attention as reference
-from pallas_kernels.paged_attention_decode import (merge_splits, merge_splits_unrolled, paged_attention,
+from pallas_kernels.paged_attention_decode import (merge_splits, merge_splits_xla, paged_attention,
                                                    paged_attention_decode, unsupported_reason)
 
 PAGES = 24
@@ -364,10 +364,14 @@ def test_merge_kernel_matches_the_flash_decoding_merge():
     assert not np.any(np.asarray(got[2]))  # no visible key: zeros
 
 
-def test_unrolled_merge_matches_the_flash_decoding_merge():
-    """The merge above the merge kernel's rows (XLA, splits one after another) against the same formula."""
+@pytest.mark.parametrize("unrolled_max_splits", [16, 4])  # 9 splits: one split after another, then reductions
+def test_xla_merge_matches_the_flash_decoding_merge(unrolled_max_splits, monkeypatch):
+    """The merge above the merge kernel's rows (XLA) against the same formula, in both of its forms."""
+    import pallas_kernels.paged_attention_decode as module
+
+    monkeypatch.setattr(module, "UNROLLED_MERGE_MAX_SPLITS", unrolled_max_splits)
     acc, m, l, heads, want = _merge_inputs()
-    got = merge_splits_unrolled(acc[:, :, :heads], m[:, :, :heads], l[:, :, :heads], dtype=jnp.float32)
+    got = merge_splits_xla(acc[:, :, :heads], m[:, :, :heads], l[:, :, :heads], dtype=jnp.float32)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     assert not np.any(np.asarray(got[2]))
