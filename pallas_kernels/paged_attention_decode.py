@@ -114,12 +114,12 @@ ONE_WAVE_PROGRAMS = 132  # an H100's or H200's SM count
 LATENCY_BLOCK_TOKENS = 64
 THROUGHPUT_BLOCK_ELEMENTS = 8192
 MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than two blocks pays its fixed cost and its share of the merge for little
-# Rows up to which the splits are merged by ``merge_splits`` (one kernel), above by XLA (``merge_splits_xla``).
-# XLA's merge is a fusion (two with reductions) of its own either way: it does not fuse it into the output
-# projection that follows, its own GEMM or decode_gemv's kernel; above two rows the kernel was not faster. In the engine (0.5B, context 1024, H100,
-# 2026-11-28, alternating processes) the kernel took all-attention B=1 from 0.782, 0.782 to 0.769, 0.754 ms and
-# a12-g1-k11 B=1 from 0.780, 0.786 to 0.778, 0.779; at B=32 it gave 1.121, 1.111 against 1.113, 1.113
-# (all-attention) and 1.167, 1.164 against 1.157, 1.149 (a12-g1-k11). Two rows were not measured.
+# Rows up to which the splits are merged by ``merge_splits`` (one kernel), above by XLA (``merge_splits_xla``: a
+# fusion of its own, which XLA does not fuse into the output projection's GEMM after it). Above two rows the kernel
+# was not faster. In the engine (0.5B, context 1024, H100, 2026-11-28, alternating processes) the kernel took
+# all-attention B=1 from 0.782, 0.782 to 0.769, 0.754 ms and a12-g1-k11 B=1 from 0.780, 0.786 to 0.778, 0.779; at
+# B=32 it gave 1.121, 1.111 against 1.113, 1.113 (all-attention) and 1.167, 1.164 against 1.157, 1.149
+# (a12-g1-k11). Two rows were not measured.
 MERGE_KERNEL_MAX_ROWS = 2
 # Rows up to which the schedule is cut for latency alone: splits of one block (as many as fit in one wave) and each
 # block's page ids loaded as scalars (``page_ids="scalar"``, at most ``MAX_SCALAR_PAGE_IDS`` of them) instead of
