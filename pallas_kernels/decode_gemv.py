@@ -56,7 +56,8 @@ KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
 # geometry (up to 17.4 MB: gate and up) the kernels win; at the 15B's (42-294 MB per call) they lost at one and two
 # rows: superapriel-15b-shaped all-attention, context 1024, H200, 2026-11-29, ms per step with every kernel / none:
 # B=1 9.145 / 8.044, B=2 10.097 / 8.003 (roofline 7.6). Between the two nothing was measured; the limit sits just
-# above the measured win, since a wrong choice costs the kernels' 1-2% where they win and up to 20% where they lose.
+# above the measured win: the kernels' changes measured at the 0.5B geometry moved its step by a few percent, their
+# loss at the 15B's was up to 21% of the step.
 KERNEL_MAX_WEIGHT_BYTES = 17 * 2**20
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
 # A step reads each weight once: its lines go first from L2, ahead of the activations, K/V and states the step

@@ -396,15 +396,15 @@ def paged_attention_decode(
     q_positions: [B, 1]. Returns [B, 1, H, D] in q's dtype (the reference op's contract, for T = 1).
 
     block_tokens: key positions gathered per loop iteration, a power of two >= 16 (the dot's minimum) (default:
-    ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs, 32 at one row where one wave
-    holds a split per block; 32 for fp32); splits: K-splits per (row, KV head) (default: ``default_schedule``'s);
+    ``default_schedule``: 64 tokens, or 128 at D = 64 past one wave of programs, 32 at one row where one wave holds
+    a split per block; 32 for fp32); splits: K-splits per (row, KV head) (default: ``default_schedule``'s);
     num_warps (default 4, 8 for fp32, whose IEEE dots run on FMAs and need the registers) / num_stages: Triton's;
-    prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With
-    Triton 3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses
-    wait on the table load) and 2 defeats the pipeliner (synchronous K/V loads); page_ids: "scalar" (one id per page a block covers, blocks on the page
-    grid) or "vector" (one gathered id per key); default: "scalar" up to ``LATENCY_ROWS`` rows while the programs
-    fit in one wave and a block covers at most ``MAX_SCALAR_PAGE_IDS`` pages, else "vector". Swept by the
-    benchmark.
+    prefetch_ids: how many blocks ahead the page ids are loaded (0: in the same iteration as their K/V). With Triton
+    3.6, 1 lets the pipeliner keep num_stages - 1 K/V blocks in flight; 0 leaves one (the K/V addresses wait on the
+    table load) and 2 defeats the pipeliner (synchronous K/V loads); page_ids: "scalar" (one id per page a block
+    covers, blocks on the page grid) or "vector" (one gathered id per key); default: "scalar" up to ``LATENCY_ROWS``
+    rows while the programs fit in one wave and a block covers at most ``MAX_SCALAR_PAGE_IDS`` pages, else "vector".
+    Swept by the benchmark.
     """
     _check_inputs(q, k_pages, v_pages, block_table, first_page, q_positions, window)
     out, _ = _launch(q[:, 0], k_pages, v_pages, block_table, first_page, q_positions, window, None,
@@ -581,21 +581,19 @@ def merge_splits_xla(acc: jax.Array, m: jax.Array, l: jax.Array, *, dtype) -> ja
     0.798. acc [B, S, H, D], m and l [B, S, H], fp32; returns [B, H, D] in ``dtype``."""
     splits = acc.shape[1]
     if splits > UNROLLED_MERGE_MAX_SPLITS:
-        m_max = jnp.max(m, axis=1)
-        weights = jnp.exp2(m - m_max[:, None])
+        weights = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))
         l_sum = jnp.sum(weights * l, axis=1)
         o_sum = jnp.sum(weights[..., None] * acc, axis=1)
-        return jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None],
-                         0.0).astype(dtype)
-    m_max = m[:, 0]
-    for s in range(1, splits):
-        m_max = jnp.maximum(m_max, m[:, s])
-    weights = [jnp.exp2(m[:, s] - m_max) for s in range(splits)]
-    l_sum = weights[0] * l[:, 0]
-    o_sum = weights[0][..., None] * acc[:, 0]
-    for s in range(1, splits):
-        l_sum = l_sum + weights[s] * l[:, s]
-        o_sum = o_sum + weights[s][..., None] * acc[:, s]
+    else:
+        m_max = m[:, 0]
+        for s in range(1, splits):
+            m_max = jnp.maximum(m_max, m[:, s])
+        weights = [jnp.exp2(m[:, s] - m_max) for s in range(splits)]
+        l_sum = weights[0] * l[:, 0]
+        o_sum = weights[0][..., None] * acc[:, 0]
+        for s in range(1, splits):
+            l_sum = l_sum + weights[s] * l[:, s]
+            o_sum = o_sum + weights[s][..., None] * acc[:, s]
     o = jnp.where((l_sum > 0)[..., None], o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None], 0.0)
     return o.astype(dtype)
 
