@@ -46,9 +46,8 @@ def register_all() -> None:
     dispatch.register("paged_attention", "gpu", paged_attention)
     dispatch.register("rope_write_paged_attention", "gpu", paged_attention_decode.rope_write_paged_attention)
     # Decode projections of a few rows as GEMVs fused with the norm before them and the activation product or
-    # residual add after them (``decode_gemv``); each entry runs the jnp chain above its row limit
-    # (``decode_gemv.KERNEL_ROWS``) or weight limit (``decode_gemv.KERNEL_MAX_WEIGHT_BYTES``), where XLA streams the
-    # weights faster.
+    # residual add after them (``decode_gemv``); each entry runs the jnp chain beyond its limits by rows and weight
+    # bytes (``decode_gemv.KERNEL_MAX_WEIGHT_BYTES``), where XLA streams the weights faster.
     # From eight rows the input norm's projections (attention's Q/K/V) run as a Mosaic GPU kernel streaming the
     # weights by TMA (``decode_projections``); one or two rows keep the GEMV kernel.
     dispatch.register("norm_projections", "gpu", decode_projections.norm_projections)

@@ -20,10 +20,9 @@ loop is unrolled and loads go out a group of chunks ahead of the products that u
 - Outputs are rounded where the reference rounds: the projection, then the activation product or residual add.
 
 Each product costs an FMA per weight element and row, and the accumulators grow with the rows, so the kernels
-lose to XLA's tensor-core GEMMs beyond a row or two: the dispatch entries take them up to ``KERNEL_ROWS`` rows
-(at 4 rows the Q/K/V kernel alone took the 0.5B all-attention step from 1.15 to 1.51 ms), and only for weights
-of up to ``KERNEL_MAX_WEIGHT_BYTES`` per call: larger matrices stream long enough for XLA's fusions to reach the
-bandwidth, which these kernels, built to cut latency, do not.
+lose to XLA's tensor-core GEMMs beyond a row or two, and, being built to cut latency, to XLA's fusions on matrices
+large enough to stream near the bandwidth: the dispatch entries take them only within ``KERNEL_MAX_WEIGHT_BYTES``
+(by op and rows, measured).
 
 fp32 inputs are multiplied and summed in fp32, so the kernels match the fp32 oracle to summation order.
 """
@@ -46,19 +45,33 @@ from . import causal_conv1d
 F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_ROWS = 8  # the kernels' limit: each row adds a product per weight element and its accumulators
-# The dispatch entries' limit per op: up to these rows the kernels beat XLA's fusions or match them (H200, 0.5B
-# geometry; the MLP kernels at two rows took 18.7 µs per layer against XLA's 16.7); above them the entries run the
-# jnp chain, whose matmuls XLA streams through tensor-core GEMMs.
-KERNEL_ROWS = {"norm_projections": 2, "norm_gated_mlp": 1, "matmul_add": 2}
-# The dispatch entries' limit on one call's weights (per device: under tensor parallelism the entries see their
-# shard). The kernels pay for latency (a kernel's start and tail, a few µs) that small matrices cannot hide, while a
-# large matrix streams long enough for XLA's fusions to reach the bandwidth, which the kernels do not. At the 0.5B
-# geometry (up to 17.4 MB: gate and up) the kernels win; at the 15B's (42-294 MB per call) they lost at one and two
-# rows: superapriel-15b-shaped all-attention, context 1024, H200, 2026-11-29, ms per step with every kernel / none:
-# B=1 9.145 / 8.044, B=2 10.097 / 8.003 (roofline 7.6). Between the two nothing was measured; the limit sits just
-# above the measured win: the kernels' changes measured at the 0.5B geometry moved its step by a few percent, their
-# loss at the 15B's was up to 21% of the step.
-KERNEL_MAX_WEIGHT_BYTES = 17 * 2**20
+MiB = 2**20
+# The dispatch entries' limits: the most weight bytes of one call (per device: under tensor parallelism the
+# entries see their shard) for which each op runs its kernel, by op and rows; rows not listed run the jnp chain,
+# whose matmuls XLA streams through its fusions and tensor-core GEMMs. The kernels pay for latency (a kernel's
+# start and tail, a few µs) that small matrices cannot hide, while a large matrix streams long enough for XLA to
+# reach the bandwidth, which the kernels, built to cut latency, do not. Each limit sits just above the largest
+# weight at which the kernel did not lose. Measured with ``scripts/bench_decode_mlp.py --gemv-max-weight-mib``
+# (the kernel forced against XLA, layers chained, µs per layer; H200, 2026-11-29):
+# - norm + Q/K/V (Q [h, h], K and V [h/4, h]; ``--sections qkv``): one row ties or wins up to h = 1536 (7.1 MB),
+#   loses from 1792 (9.6 MB: 7.4-7.6 against 6.4-6.7; 12.6 MB: 10.9-11.1 against 7.7-8.8); two rows win at
+#   1280 (4.9 MB), lose from 1536 (7.1 MB: 8.0-8.1 against 6.3-7.3).
+# - norm + gate/up + product at one row (the down projection in XLA): wins up to [2560 -> 6912] (70.8 MB: 36.9-37.3
+#   against 38.0), loses at [3072 -> 8192] (100.7 MB: 47.5-47.7 against 46.3). At two rows the MLP kernels took
+#   18.7 µs per layer against XLA's 16.7 at the 0.5B geometry.
+# - down + residual (gate/up in XLA): one row wins up to 35.4 MB (35.4-35.6 against 37.5), then ties or loses (50.3
+#   MB: 46.6-47.0 against 46.3); two rows win at 12.6 MB (18.7 against 19.6), lose at 23.1 MB (28.5-28.8 against
+#   26.6).
+# The 15B geometry's calls (42-294 MB) all run XLA; there every kernel had cost up to 21% of the step
+# (superapriel-15b-shaped all-attention, context 1024, ms per step with every kernel / none: B=1 9.145 / 8.044, B=2
+# 10.097 / 8.003). Above two rows (one for gate/up) the kernels lose at every size: each row adds a product per
+# weight element and its accumulators (at 4 rows the Q/K/V kernel took the 0.5B step from 1.15 to 1.51 ms).
+KERNEL_MAX_WEIGHT_BYTES = {
+    "norm_projections": {1: 7 * MiB, 2: 5 * MiB},
+    "norm_gated_mlp": {1: 68 * MiB},
+    "matmul_add": {1: 34 * MiB, 2: 13 * MiB},
+}
+KERNEL_ROWS = {op: max(limits) for op, limits in KERNEL_MAX_WEIGHT_BYTES.items()}  # the most rows each op takes
 _MLP_ACTIVATIONS = ("silu", "sigmoid", "relu", "gelu_pytorch_tanh")
 # A step reads each weight once: its lines go first from L2, ahead of the activations, K/V and states the step
 # reads again. 24 layers of the 0.5B MLP (norm + gate/up, down) chained: 13.28 µs per layer against 13.67-13.70
@@ -93,10 +106,11 @@ def _common_reason(x, weights, norm_weight=None) -> str | None:
 
 
 def takes(op: str, reason: str | None, rows: int, weights) -> bool:
-    """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, at most ``KERNEL_ROWS[op]`` rows and
-    ``KERNEL_MAX_WEIGHT_BYTES`` of ``weights``."""
+    """Whether the dispatch entry of ``op`` runs its kernel: shapes it takes, and ``weights`` within
+    ``KERNEL_MAX_WEIGHT_BYTES[op][rows]``."""
+    limit = KERNEL_MAX_WEIGHT_BYTES[op].get(rows)
     weight_bytes = sum(w.size * jnp.dtype(w.dtype).itemsize for w in weights)
-    return reason is None and rows <= KERNEL_ROWS[op] and weight_bytes <= KERNEL_MAX_WEIGHT_BYTES
+    return reason is None and limit is not None and weight_bytes <= limit
 
 
 def _row_scales(x_ref, eps, *, rows, k_dim, chunk):
@@ -464,9 +478,9 @@ def norm_projections_conv_kernel(x, norm_weight, eps, weights, conv_weight, conv
 
 def norm_projections_conv(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool, slots, fresh,
                           pad_columns: bool = False):
-    """Dispatch entry for "norm_projections_conv": the kernel up to ``KERNEL_ROWS["norm_projections"]`` rows (and
-    ``KERNEL_MAX_WEIGHT_BYTES``); otherwise the dispatched projections (``decode_projections``' kernel from 8 rows,
-    XLA's GEMMs elsewhere) and the conv kernel writing its output over its input columns (no concatenation)."""
+    """Dispatch entry for "norm_projections_conv": the kernel within ``KERNEL_MAX_WEIGHT_BYTES["norm_projections"]``;
+    otherwise the dispatched projections (``decode_projections``' kernel from 8 rows, XLA's GEMMs elsewhere) and
+    the conv kernel writing its output over its input columns (no concatenation)."""
     weights = tuple(weights)
     reason = norm_projections_conv_unsupported(x, norm_weight, eps, weights, conv_weight, conv_bias, conv_pool)
     if takes("norm_projections", reason, x.shape[0], weights):

@@ -2,7 +2,7 @@
 """The persistent decode MLP kernel (``pallas_kernels/decode_mlp``) against the paths the engine runs without it.
 
     python scripts/bench_decode_mlp.py [--rows 1 8 32 --layers 24 --hidden 896 --intermediate 4864] [--profile]
-                                       [--same-weights] [--gemv-max-weight-mib MIB]
+                                       [--same-weights] [--sections mlp qkv] [--gemv-max-weight-mib [OP=]MIB ...]
                                        [--json PATH]
 
 First the kernel's and the dispatched path's outputs against the jnp oracle
@@ -20,9 +20,14 @@ path twice in alternating order:
   geometries) leave it out.
 
 ``--gemv-max-weight-mib`` sets the decode GEMV kernels' limit on one call's weights
-(``decode_gemv.KERNEL_MAX_WEIGHT_BYTES``) for the dispatched path: a large value runs the kernels at one or two
-rows whatever the geometry, so **dispatched** against **xla** at ``--hidden`` / ``--intermediate`` says where the
-limit belongs.
+(``decode_gemv.KERNEL_MAX_WEIGHT_BYTES``, per op) for the dispatched path: a large value runs the kernels at one
+or two rows whatever the geometry, so **dispatched** against **xla** at ``--hidden`` / ``--intermediate`` says
+where the limit belongs; ``norm_gated_mlp=100000 matmul_add=0`` forces the gate/up kernel alone (down in XLA),
+and so on.
+
+``--sections qkv`` chains ``--layers`` norm + Q/K/V projections (Q [hidden, hidden], K and V [hidden / 4, hidden],
+each layer's Q columns added to its input as the next one's), the engine's op (**qkv dispatched**: the decode
+GEMV kernel at one or two rows under the limit) against the jnp chain (**qkv xla**).
 
 ``--same-weights`` chains the first layer's weights ``--layers`` times instead (26 MB at the 0.5B geometry, which
 can stay in a Hopper GPU's 50 MB L2; the hit rate is not measured): against the default, how much a path gains
@@ -67,6 +72,24 @@ def mlp_weights(seed: int, hidden: int, inter: int):
     gate, up = [(0.03 * jax.random.normal(kk, (inter, hidden))).astype(bf) for kk in k[1:3]]
     down = (0.03 * jax.random.normal(k[3], (hidden, inter))).astype(bf)
     return norm, gate, up, down
+
+
+def qkv_weights(seed: int, hidden: int):
+    """Norm, Q [hidden, hidden], K and V [hidden / 4, hidden]: grouped-query attention with 4 heads per group."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    bf = jnp.bfloat16
+    norm = (1 + 0.1 * jax.random.normal(k[0], (hidden,))).astype(bf)
+    return (norm,) + tuple((0.03 * jax.random.normal(kk, (n, hidden))).astype(bf)
+                           for kk, n in zip(k[1:], (hidden, hidden // 4, hidden // 4)))
+
+
+def dispatched_qkv(x, norm, *weights):
+    """The engine's op, chained through the Q columns (added to x: a small XLA fusion in both paths)."""
+    return x + dispatch.op("norm_projections")(x, norm, EPS, weights)[:, : x.shape[1]]
+
+
+def xla_qkv(x, norm, *weights):
+    return x + decode_fused.norm_projections(x, norm, EPS, weights)[:, : x.shape[1]]
 
 
 def dispatched(x, norm, gate, up, down):
@@ -140,19 +163,30 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="add the kernel's per-CTA phases (see above)")
     ap.add_argument("--same-weights", action="store_true", help="chain the first layer's weights --layers times "
                     "(26 MB at the 0.5B geometry: can stay in L2) instead of --layers distinct layers")
-    ap.add_argument("--gemv-max-weight-mib", type=float, default=None, help="the decode GEMV kernels' limit on "
-                    "one call's weights for the dispatched path (default: the engine's, "
-                    f"{decode_gemv.KERNEL_MAX_WEIGHT_BYTES / 2**20:g} MiB; see above)")
+    ap.add_argument("--gemv-max-weight-mib", nargs="+", default=None, metavar="[OP=]MIB",
+                    help="the decode GEMV kernels' limit on one call's weights for the dispatched path: MIB for every "
+                    f"op or OP=MIB for one of {', '.join(decode_gemv.KERNEL_MAX_WEIGHT_BYTES)} (default: the "
+                    "engine's, decode_gemv.KERNEL_MAX_WEIGHT_BYTES; see above)")
+    ap.add_argument("--sections", nargs="+", choices=["mlp", "qkv"], default=["mlp"],
+                    help="mlp: the MLP paths; qkv: norm + Q/K/V projections (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_decode_mlp needs a GPU: Mosaic GPU kernels have no CPU path.", file=sys.stderr)
         return 2
     hidden, inter = args.hidden, args.intermediate
-    if args.gemv_max_weight_mib is not None:
-        if args.gemv_max_weight_mib < 0:
-            raise SystemExit(f"--gemv-max-weight-mib {args.gemv_max_weight_mib}: must be >= 0")
-        decode_gemv.KERNEL_MAX_WEIGHT_BYTES = args.gemv_max_weight_mib * 2**20
+    for entry in args.gemv_max_weight_mib or ():
+        limits = decode_gemv.KERNEL_MAX_WEIGHT_BYTES
+        op, _, mib = entry.rpartition("=")
+        try:
+            value = float(mib)
+        except ValueError:
+            value = -1.0
+        if value < 0 or (op and op not in limits):
+            raise SystemExit(f"--gemv-max-weight-mib {entry}: expected MIB >= 0 or OP=MIB with OP one of "
+                             f"{', '.join(limits)}")
+        for name in [op] if op else list(limits):
+            limits[name] = dict.fromkeys(limits[name], value * 2**20)  # at every row count the op's kernel takes
     if args.down_depth is not None:
         if args.down_depth < 1:
             raise SystemExit(f"--down-depth {args.down_depth}: must be at least 1")
@@ -165,25 +199,10 @@ def main(argv=None) -> int:
         if not 64 <= args.smem_kb <= 227:
             raise SystemExit(f"--smem-kb {args.smem_kb}: must be 64-227")
         decode_mlp.SMEM_BYTES = args.smem_kb * 1024
-    scheduled = {rows: decode_mlp.schedule(rows, hidden, inter, jax.devices()[0].core_count) is not None
-                 for rows in args.rows}
-    for rows in args.rows:
-        if not scheduled[rows]:
-            print(f"rows {rows}: the kernel has no schedule for [{hidden} -> {inter}] on this GPU; its path is left "
-                  "out", flush=True)
     device = jax.devices()[0].device_kind
     bandwidth = hbm_bandwidth()
-    mbytes = 3 * hidden * inter * 2 / 1e6
-    weights = "one layer's weights, chained" if args.same_weights else "distinct weights"
-    print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers of [{hidden} -> {inter}] "
-          f"({mbytes:.1f} MB of weights each; {weights})", flush=True)
-    layers = [mlp_weights(seed, hidden, inter) for seed in range(1 if args.same_weights else args.layers)]
-    if args.same_weights:
-        layers = layers * args.layers
-    checks = [c for rows in args.rows for c in check(rows, layers[0], hidden, scheduled[rows])]
-    print_rows(checks)
-    if not all(c["ok"] for c in checks):
-        return 1
+    print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows_out = []
 
     def chain(path):
         def step(weights, x):
@@ -192,20 +211,63 @@ def main(argv=None) -> int:
             return x
         return step
 
-    rows_out = []
-    paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
-    for rows in args.rows:
-        for name, path in paths + paths[:2]:
-            if name == "kernel" and not scheduled[rows]:
-                continue
+    if "mlp" in args.sections:
+        scheduled = {rows: decode_mlp.schedule(rows, hidden, inter, jax.devices()[0].core_count) is not None
+                     for rows in args.rows}
+        for rows in args.rows:
+            if not scheduled[rows]:
+                print(f"rows {rows}: the kernel has no schedule for [{hidden} -> {inter}] on this GPU; its path is "
+                      "left out", flush=True)
+        mbytes = 3 * hidden * inter * 2 / 1e6
+        weights = "one layer's weights, chained" if args.same_weights else "distinct weights"
+        print(f"{args.layers} layers of [{hidden} -> {inter}] ({mbytes:.1f} MB of weights each; {weights})",
+              flush=True)
+        layers = [mlp_weights(seed, hidden, inter) for seed in range(1 if args.same_weights else args.layers)]
+        if args.same_weights:
+            layers = layers * args.layers
+        checks = [c for rows in args.rows for c in check(rows, layers[0], hidden, scheduled[rows])]
+        print_rows(checks)
+        if not all(c["ok"] for c in checks):
+            return 1
+
+        paths = (("dispatched", dispatched), ("kernel", kernel), ("xla", xla))
+        for rows in args.rows:
+            for name, path in paths + paths[:2]:
+                if name == "kernel" and not scheduled[rows]:
+                    continue
+                x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+                seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
+                us = seconds / args.layers * 1e6
+                rows_out.append(dict(device=device, rows=rows, path=name,
+                                     weights="same" if args.same_weights else "distinct", us_per_layer=round(us, 2),
+                                     tb_s=round(mbytes / us, 2),
+                                     pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
+                print(f"rows {rows} {name}: {us:.2f} µs per layer", flush=True)
+    if "qkv" in args.sections:
+        qkv_layers = [qkv_weights(1000 + seed, hidden) for seed in range(args.layers)]
+        qkv_mbytes = sum(w.size * 2 for w in qkv_layers[0][1:]) / 1e6
+        print(f"{args.layers} norm + Q/K/V projections: [{hidden} -> {hidden} + 2 x {hidden // 4}] "
+              f"({qkv_mbytes:.1f} MB of weights each)", flush=True)
+        paths = (("dispatched", dispatched_qkv), ("xla", xla_qkv))
+        for rows in args.rows:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-            seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
-            us = seconds / args.layers * 1e6
-            rows_out.append(dict(device=device, rows=rows, path=name,
-                                 weights="same" if args.same_weights else "distinct", us_per_layer=round(us, 2),
-                                 tb_s=round(mbytes / us, 2), pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
-            print(f"rows {rows} {name}: {us:.2f} µs per layer", flush=True)
-    if args.profile:
+            want = jax.jit(xla_qkv)(x, *qkv_layers[0]).astype(F32)
+            got = jax.jit(dispatched_qkv)(x, *qkv_layers[0]).astype(F32)
+            del x  # time_looped donates its carry: each timing below gets a fresh one
+            err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
+            if err > 2 ** -6 * scale:
+                print(f"rows {rows} qkv: dispatched differs from xla by {err:.4f} (tolerance "
+                      f"{2 ** -6 * scale:.4f})", file=sys.stderr)
+                return 1
+            for name, path in paths + paths:
+                x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+                seconds, _ = time_looped(chain(path), [qkv_layers], x, steps=20, repeats=5)
+                us = seconds / args.layers * 1e6
+                rows_out.append(dict(device=device, rows=rows, path=f"qkv {name}",
+                                     weights="distinct", us_per_layer=round(us, 2), tb_s=round(qkv_mbytes / us, 2),
+                                     pct_copy_bw=round(100 * qkv_mbytes / us * 1e12 / bandwidth)))
+                print(f"rows {rows} qkv {name}: {us:.2f} µs per layer", flush=True)
+    if args.profile and "mlp" in args.sections:
         profile_rows = [r for rows in args.rows if scheduled[rows] for r in phases(rows, layers[0][:4], hidden)]
         print_rows(profile_rows)
     print_rows(rows_out, args.json)

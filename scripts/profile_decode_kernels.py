@@ -75,8 +75,8 @@ def calls_for(kind, rows, args, rand):
             ("norm_projections", qkv, lambda: decode_gemv.norm_projections_kernel(x, norm, 1e-5, qkv)),
             ("matmul_add", (o_proj,), lambda: decode_gemv.matmul_add_kernel(attention_out, o_proj, x)),
         ]
-        # only where the engine runs them (``decode_gemv.takes``: gate/up at one row, the others at two, weights of
-        # up to ``KERNEL_MAX_WEIGHT_BYTES`` per call)
+        # only where the engine runs them (``decode_gemv.takes``: gate/up at one row, the others at two, within
+        # ``KERNEL_MAX_WEIGHT_BYTES`` by op and rows)
         return [call for op, weights, call in calls if decode_gemv.takes(op, None, rows, weights)]
     if kind == "attention":
         inputs = attention_inputs(rows, args.heads, args.groups, args.head_dim, args.context, args.page_size)

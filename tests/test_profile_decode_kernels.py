@@ -31,7 +31,8 @@ def test_gemv_calls_only_where_the_engine_runs_them():
     from pallas_kernels import decode_gemv
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode_gemv, "KERNEL_MAX_WEIGHT_BYTES", 16 * 1024)
+        patch.setattr(decode_gemv, "KERNEL_MAX_WEIGHT_BYTES",
+                      {op: dict.fromkeys(rows, 16 * 1024) for op, rows in decode_gemv.KERNEL_MAX_WEIGHT_BYTES.items()})
         assert len(script.calls_for("gemv", 1, args, rand)) == 3
 
 

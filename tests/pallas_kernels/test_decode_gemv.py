@@ -139,7 +139,9 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
     # Weights past the entries' limit per call run the chain too, at one row: the limit holds one weight of 2 KB,
     # not two (the entries count every weight of the call) nor one of 4 KB.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES", 3 * weight.size * weight.dtype.itemsize // 2)
+        limit = 3 * weight.size * weight.dtype.itemsize // 2
+        patch.setattr(kernels, "KERNEL_MAX_WEIGHT_BYTES",
+                      {op: dict.fromkeys(rows, limit) for op, rows in kernels.KERNEL_MAX_WEIGHT_BYTES.items()})
         x, wide, residual = f(1, 32), f(32, 32), f(1, 32)
         assert kernels.takes("matmul_add", None, 1, (weight,))
         assert not kernels.takes("matmul_add", None, 1, (wide,))
@@ -155,6 +157,29 @@ def test_dispatch_entries_fall_back_to_the_chains_for_shapes_the_kernels_do_not_
         kernels.norm_projections_kernel(f(1, 32), f(32), 1e-5, (f(8, 32),), block_n=16, interpret=True)
     with pytest.raises(ValueError, match="between 1 and"):
         kernels.matmul_add_kernel(many, weight, f(kernels.MAX_ROWS + 1, 16), interpret=True)
+
+
+def test_weight_limits_depend_on_op_and_rows():
+    S = jax.ShapeDtypeStruct
+    # Limits are per call (every weight counted), per op and per row count; rows without a limit take no kernel.
+    down = S((2048, 5632), jnp.bfloat16)  # 23.1 MB: the down kernel won at one row and lost at two
+    assert kernels.takes("matmul_add", None, 1, (down,))
+    assert not kernels.takes("matmul_add", None, 2, (down,))
+    gate = S((5632, 2048), jnp.bfloat16)
+    assert kernels.takes("norm_gated_mlp", None, 1, (gate, gate))
+    assert not kernels.takes("norm_gated_mlp", None, 2, (gate, gate))
+    q, kv = S((2048, 2048), jnp.bfloat16), S((512, 2048), jnp.bfloat16)  # 12.6 MB: XLA's fusions were faster
+    assert not kernels.takes("norm_projections", None, 1, (q, kv, kv))
+    assert not kernels.takes("matmul_add", "x must be [rows, features]", 1, (S((16, 16), jnp.bfloat16),))
+    # The 0.5B geometry's calls all take their kernels at one and two rows (KDA's six projections: 5.07 MB).
+    kda = (S((896, 896), jnp.bfloat16),) * 3 + (S((64, 896), jnp.bfloat16),) * 2 + (S((14, 896), jnp.bfloat16),)
+    for rows in (1, 2):
+        assert kernels.takes("norm_projections", None, rows, kda)
+        assert kernels.takes("matmul_add", None, rows, (S((896, 4864), jnp.bfloat16),))
+    # The 15B's calls (42-294 MB) all run XLA.
+    assert not kernels.takes("matmul_add", None, 1, (S((5120, 4096), jnp.bfloat16),))
+    assert not kernels.takes("norm_gated_mlp", None, 1, (S((14336, 5120), jnp.bfloat16),) * 2)
+    assert kernels.KERNEL_ROWS == {op: max(rows) for op, rows in kernels.KERNEL_MAX_WEIGHT_BYTES.items()}
 
 
 @pytest.mark.parametrize("rows, width, heads, groups, head_dim, inner", [
