@@ -24,7 +24,10 @@ def default_cache_dir() -> str:
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str | None:
     """Point JAX's persistent cache at ``directory`` (None: the environment or the per-user default); returns
     the directory in use, or None when the cache is off."""
+    given = "directory" if directory is not None else None
     chosen = os.fspath(directory) if directory is not None else os.environ.get(ENV)
+    if given is None and chosen is not None:
+        given = ENV
     if chosen is not None and chosen.strip().lower() in OFF:
         return None
     if chosen is None:
@@ -38,10 +41,9 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str 
     try:
         os.makedirs(chosen, exist_ok=True)
     except OSError as error:
-        raise OSError(
-            f"cannot create the compilation cache directory {chosen!r} ({error.strerror}); set {ENV} to a "
-            f"writable directory, or to 'off'"
-        ) from error
+        fix = (f"give a writable directory, or 'off'" if given == "directory" else
+               f"set {ENV} to a writable directory, or to 'off'")  # where it came from is what to change
+        raise OSError(f"cannot create the compilation cache directory {chosen!r} ({error.strerror}); {fix}") from error
     # Every engine step is worth keeping (even a one-second compile is much of a warm start-up); the many tiny
     # jits of model set-up are not.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -76,6 +76,7 @@ class CheckResult:
     error: float  # max abs logit error (forward/decode) or number of differing tokens (greedy)
     passed: bool
     detail: str = ""
+    checked: bool = True  # False: reported only (bf16 greedy tokens), so passed says nothing about it
 
 
 def run_checks(
@@ -91,7 +92,9 @@ def run_checks(
     names = list(case.placements)
     if placement is not None:
         if placement not in case.placements:
-            raise ValueError(f"placement {placement!r} is not in {directory}/placements.json; known: {names}")
+            hint = (" (a placement here is a name: the goldens hold logits and tokens per named placement, not per "
+                    "mixer list)" if "," in placement else "")
+            raise ValueError(f"placement {placement!r} is not in {directory}/placements.json; known: {names}{hint}")
         names = [placement]
     if tensor_parallel is not None:
         return _run_split_checks(directory, case, names, dtype, [c for c in checks if c != "decode"], tensor_parallel)
@@ -134,9 +137,10 @@ def _tolerance(case, name: str, dtype: str) -> float:
 def _greedy_result(name: str, ours: np.ndarray, expected: np.ndarray, dtype: str) -> CheckResult:
     differ = int((ours != expected).sum())
     # In bf16 a differing greedy token is reported, not failed: see BFLOAT16_RELATIVE_TOLERANCE.
-    passed = differ == 0 or dtype != "float32"
+    checked = dtype == "float32"
+    passed = differ == 0 or not checked
     detail = "all tokens equal" if differ == 0 else f"first difference at step {int(np.argmax((ours != expected).any(0)))}"
-    return CheckResult(name, "greedy", float(differ), passed, detail)
+    return CheckResult(name, "greedy", float(differ), passed, detail, checked=checked or differ == 0)
 
 
 def _run_split_checks(directory, case, names, dtype, checks, tensor_parallel) -> list[CheckResult]:
@@ -173,6 +177,7 @@ def format_table(results: list[CheckResult]) -> str:
     rows = [("placement", "check", "max abs error / tokens differing", "result", "")]
     for r in results:
         value = f"{int(r.error)}" if r.check == "greedy" else f"{r.error:.3e}"
-        rows.append((r.placement, r.check, value, "ok" if r.passed else "FAIL", r.detail))
+        result = "FAIL" if not r.passed else ("ok" if r.checked else "differs (bf16: reported, not checked)")
+        rows.append((r.placement, r.check, value, result, r.detail))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

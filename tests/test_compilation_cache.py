@@ -48,5 +48,10 @@ def test_environment_and_argument_choose_the_directory_and_compiles_land_there(m
 def test_unwritable_directory_says_what_to_do(tmp_path, restore_jax_cache):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(OSError, match=f"set {ENV} to a writable directory"):
+    # The fix names where the directory came from: the argument, or the environment variable.
+    with pytest.raises(OSError, match="give a writable directory, or 'off'"):
         enable_compilation_cache(blocker / "xla")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV, str(blocker / "xla"))
+        with pytest.raises(OSError, match=f"set {ENV} to a writable directory"):
+            enable_compilation_cache()

@@ -62,3 +62,23 @@ def test_check_parity_script_reports_and_fails_on_mismatch(tmp_path):
 
     missing = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 2 and "golden.safetensors" in missing.stderr
+    nowhere = subprocess.run([sys.executable, script, str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr, nowhere.stderr
+
+
+def test_bf16_greedy_differences_read_as_reported_not_as_ok():
+    from apriel2_jax.parity import _greedy_result
+
+    expected = np.array([[1, 2, 3, 4]])
+    differing = _greedy_result("main", np.array([[1, 2, 9, 4]]), expected, "bfloat16")
+    assert differing.passed and not differing.checked  # not a failure in bf16, and not called ok either
+    assert _greedy_result("main", np.array([[1, 2, 9, 4]]), expected, "float32").passed is False
+    assert _greedy_result("main", expected, expected, "bfloat16").checked
+    rows = format_table([differing, _greedy_result("main", expected, expected, "bfloat16")]).splitlines()
+    assert "not checked" in rows[1] and " ok " not in rows[1] + " " and "step 2" in rows[1]
+    assert rows[2].split()[3] == "ok"
+
+
+def test_unknown_placement_list_says_placements_are_names():
+    with pytest.raises(ValueError, match="is a name"):
+        run_checks(os.path.join(GOLDENS, "supernet_swa"), "attention,attention", "float32")

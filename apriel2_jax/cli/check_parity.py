@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .engine_args import add_distributed_arguments, join_processes
+from .engine_args import add_distributed_arguments, join_processes, positive_int
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,9 +16,11 @@ def main(argv: list[str] | None = None) -> int:
         "full forward, prefill+decode, and greedy generation, for every placement."
     )
     parser.add_argument("case_dir", help="directory with config.json, model safetensors, golden.safetensors")
-    parser.add_argument("--placement", default=None, help="check only this named placement of placements.json")
+    parser.add_argument("--placement", default=None, metavar="NAME",
+                        help="check only this named placement of placements.json (the goldens hold logits and "
+                             "tokens per named placement, so a per-layer mixer list cannot be checked)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+    parser.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="N",
                         help="run the tensor-parallel path over N devices (forward and engine greedy checks; 1 checks "
                         "that path on one device)")
     add_distributed_arguments(parser)
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..placement import PlacementError
     from ..safetensors_io import CheckpointError
 
+    if not os.path.isdir(args.case_dir):
+        print(f"error: case directory {args.case_dir} does not exist", file=sys.stderr)
+        return 2
     try:
         results = run_checks(args.case_dir, args.placement, args.dtype, tensor_parallel=args.tensor_parallel)
     except (ConfigError, CheckpointError, PlacementError, FileNotFoundError, ValueError) as err:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 from ..engine.defaults import DEFAULTS, WARM_UP_CHOICES
@@ -23,6 +24,34 @@ def parse_size(text: str) -> int:
     return value
 
 
+def number_type(kind, low, high=None, low_open=False, high_open=False):
+    """An argparse type: ``kind`` (int or float) within ``low`` .. ``high`` (``low_open``/``high_open``: the bound
+    excluded), so that a bad value is reported against its flag before anything loads."""
+    noun = "an integer" if kind is int else "a number"
+    bounds = [f"{'>' if low_open else '>='} {low}"]
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high}")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if (value < low or (low_open and value == low)
+                or (high is not None and (value > high or (high_open and value == high)))):
+            raise argparse.ArgumentTypeError(f"expected {noun} {' and '.join(bounds)}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = number_type(int, 1)
+non_negative_int = number_type(int, 0)
+positive_float = number_type(float, 0.0, low_open=True)
+
+
 def parse_placement(value: str | None, named: dict):
     """A placements.json name, or a comma-separated list with one mixer name per layer ('-'/'none' for fixed)."""
     if value is None or value in named or "," not in value:
@@ -36,7 +65,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a placement name from the checkpoint's placements.json, or a comma-separated mixer name per "
                         "layer ('-' for fixed layers); default: every layer's main mixer")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="weights/compute dtype (default bfloat16)")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    g.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP channels and vocabulary; default 1)")
 
 
@@ -48,8 +77,10 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
                    help="join the other processes of a SLURM or Open MPI job (they supply the settings below)")
     g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                    help="process 0's host and a free port; with --num-processes and --process-id")
-    g.add_argument("--num-processes", type=int, default=None, metavar="P", help="how many processes run the command")
-    g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index in [0, P)")
+    g.add_argument("--num-processes", type=positive_int, default=None, metavar="P",
+                   help="how many processes run the command")
+    g.add_argument("--process-id", type=non_negative_int, default=None, metavar="I",
+                   help="this process's index in [0, P)")
 
 
 def join_processes(args) -> bool:
@@ -68,17 +99,17 @@ def join_processes(args) -> bool:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     d = DEFAULTS
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+    g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs,
                    help=f"sequences decoded together (default {d.max_num_seqs})")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length: prompt + generated tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
                    help=f"token budget of a prefill step, padding included (default {d.max_num_batched_tokens})")
-    g.add_argument("--max-chunk", type=int, default=None,
+    g.add_argument("--max-chunk", type=positive_int, default=None,
                    help="longest prefill chunk of one sequence (default: --max-num-batched-tokens)")
-    g.add_argument("--max-prefill-rows", type=int, default=None,
+    g.add_argument("--max-prefill-rows", type=positive_int, default=None,
                    help="sequences prefilled in one step (default: --max-num-seqs)")
-    g.add_argument("--decode-steps", type=int, default=d.decode_steps,
+    g.add_argument("--decode-steps", type=positive_int, default=d.decode_steps,
                    help=f"tokens per sequence one decode dispatch may generate (default {d.decode_steps}; "
                    "fewer while requests wait to be prefilled)")
     g.add_argument("--chain-decode", action=argparse.BooleanOptionalAction, default=d.chain_decode,
@@ -89,16 +120,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="queue the next prefill step before reading the current one while no request decodes, "
                         "overlapping host work with the device (default on; --no-chain-prefill: one step at a "
                         "time)")
-    g.add_argument("--page-size", type=int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
-    g.add_argument("--cache-memory-fraction", type=float, default=d.cache_memory_fraction,
+    g.add_argument("--page-size", type=positive_int, default=d.page_size, help=f"tokens per KV-cache page (default {d.page_size})")
+    g.add_argument("--cache-memory-fraction", type=number_type(float, 0.0, 1.0, low_open=True),
+                   default=d.cache_memory_fraction,
                    help=f"fraction of free device memory for the caches (default {d.cache_memory_fraction})")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the attention pages and recurrent-state snapshots of prompts that share a prefix "
                         "(default on; --no-prefix-caching turns it off)")
-    g.add_argument("--snapshot-memory-fraction", type=float, default=d.snapshot_memory_fraction,
+    g.add_argument("--snapshot-memory-fraction", type=number_type(float, 0.0, 1.0, high_open=True),
+                   default=d.snapshot_memory_fraction,
                    help="share of the cache budget for the prefix cache's recurrent-state snapshots "
                         f"(default {d.snapshot_memory_fraction})")
-    g.add_argument("--snapshot-interval", type=int, default=d.snapshot_interval, metavar="TOKENS",
+    g.add_argument("--snapshot-interval", type=non_negative_int, default=d.snapshot_interval, metavar="TOKENS",
                    help="prefill chunks of placements with recurrent layers also end at multiples of this, leaving "
                         f"state snapshots there (a multiple of --page-size; 0: off; default {d.snapshot_interval})")
     g.add_argument("--warm-up", choices=WARM_UP_CHOICES, default=d.warm_up,
@@ -118,7 +151,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="directory of the disk connector (created if missing)")
     g.add_argument("--kv-connector-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="capacity of the connector store, e.g. 16G (host: required; disk: default unbounded)")
-    g.add_argument("--kv-load-timeout", type=float, default=DEFAULTS.kv_load_timeout, metavar="SECONDS",
+    g.add_argument("--kv-load-timeout", type=positive_float, default=DEFAULTS.kv_load_timeout, metavar="SECONDS",
                    help="a load from the connector taking longer is abandoned and its prefix recomputed "
                         f"(default {DEFAULTS.kv_load_timeout})")
 
@@ -143,7 +176,29 @@ def kv_connector_store(args):
         return HostMemoryStore(args.kv_connector_bytes)
     if args.kv_connector_path is None:
         raise ValueError("--kv-connector disk needs --kv-connector-path DIR")
-    return DiskStore(args.kv_connector_path, args.kv_connector_bytes)
+    try:
+        return DiskStore(args.kv_connector_path, args.kv_connector_bytes)
+    except OSError as err:  # e.g. the path is a file, or a parent is not writable
+        raise ValueError(f"--kv-connector-path {args.kv_connector_path}: cannot use it as the connector's directory "
+                         f"({err.strerror or err})") from None
+
+
+# The ``LLM`` keyword arguments of ``engine_kwargs``, and the flags of those not named as the keyword with dashes.
+_ENGINE_KWARGS = ("dtype", "tensor_parallel", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_chunk",
+                  "max_prefill_rows", "decode_steps", "chain_decode", "chain_prefill", "page_size",
+                  "cache_memory_fraction", "enable_prefix_caching", "snapshot_memory_fraction", "snapshot_interval",
+                  "warm_up", "compilation_cache", "kv_connector", "kv_load_timeout")
+_KWARG_FLAGS = {"enable_prefix_caching": "--prefix-caching", "kv_connector": "--kv-connector"}
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` (an engine error naming ``LLM`` keyword arguments, e.g. "max_chunk=4 exceeds
+    max_num_batched_tokens=2") with each of ``engine_kwargs``' names written as its flag, for a command line's
+    user."""
+    for name in _ENGINE_KWARGS:  # whole names only: no match inside a longer identifier or flag
+        flag = _KWARG_FLAGS.get(name, "--" + name.replace("_", "-"))
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, message)
+    return message
 
 
 def engine_kwargs(args) -> dict:

@@ -17,11 +17,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
 from .engine_args import (add_distributed_arguments, add_engine_arguments, add_model_arguments, engine_kwargs,
-                          join_processes, parse_placement)
+                          join_processes, number_type, parse_placement, positive_int, with_flag_names)
 
 PROG = "apriel2-generate"
 
@@ -37,11 +38,13 @@ class UsageError(Exception):
 
 def parse_token_ids(text: str) -> list[int]:
     """``"1,2,3"`` (commas and/or whitespace) -> ``[1, 2, 3]``; raises UsageError naming the bad entry."""
-    parts = text.replace(",", " ").split()
-    if not parts:
+    if not text.strip():
         raise UsageError(f"{text!r} holds no token ids; expected integers like \"1,2,3\"")
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
     ids = []
     for part in parts:
+        if not part:  # "1,,2" or a trailing comma: most likely a lost id, not a separator to skip
+            raise UsageError(f"{text!r} has an empty entry between commas; expected token ids like \"1,2,3\"")
         try:
             value = int(part)
         except ValueError:
@@ -91,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
 
     g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
+    g.add_argument("--temperature", type=number_type(float, 0.0), default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-k", type=number_type(int, -1), default=0,
+                   help="keep the k most likely tokens (0 or -1: off)")
+    g.add_argument("--top-p", type=number_type(float, 0.0, 1.0, low_open=True), default=1.0,
+                   help="nucleus sampling mass in (0, 1] (1: off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the run (default 0): each prompt samples from its own stream derived from it")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop at this string, cut from the output (repeatable; needs a tokenizer)")
     g.add_argument("--stop-token-ids", type=_ids_arg, default=[], metavar="IDS",
@@ -141,7 +146,16 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
             return None
         return value if isinstance(value, dict) else None
 
-    if as_object(numbered[0][1]) is None:
+    first_n, first = numbered[0]
+    if as_object(first) is None:
+        if first.lstrip().startswith("{"):  # meant as JSONL, most likely: a broken line must not become a prompt
+            try:
+                json.loads(first)
+                problem = "is JSON but not an object"
+            except json.JSONDecodeError as err:
+                problem = f"is not valid JSON ({err.msg}, column {err.colno})"
+            raise UsageError(f"--prompts-file {path}, line {first_n}: starts with '{{' but {problem}; write JSONL "
+                             "lines {\"prompt\": TEXT or [ids]} (also for a text prompt that starts with '{')")
         return [("text", line) for _, line in numbered]
     prompts: list[tuple[str, object]] = []
     for n, line in numbered:
@@ -365,9 +379,11 @@ def _run(args) -> int:
             tokenizer = Tokenizer.from_dir(directory)
         except TokenizerNotFound as err:
             if needs_tokenizer:
-                raise UsageError(f"text prompts need a tokenizer, but {err}") from None
+                raise UsageError(f"text prompts need a tokenizer, but {err}; give prompts as token ids "
+                                 "(--prompt-ids \"1,2,3\", or {\"prompt\": [ids]} lines in --prompts-file)") from None
             if args.stop:
-                raise UsageError(f"--stop strings need a tokenizer, but {err}") from None
+                raise UsageError(f"--stop strings need a tokenizer, but {err}; stop on token ids with "
+                                 "--stop-token-ids") from None
             if args.chat_template:
                 raise UsageError(f"--chat-template needs a tokenizer, but {err}") from None
             tokenizer = None
@@ -404,8 +420,13 @@ def _run(args) -> int:
                                            params, stdout, quiet=not primary)
     except UsageError:
         raise
+    except SamplingError as err:  # named as its flag, which has the field's name
+        raise UsageError(f"--{err.field.replace('_', '-')}: got {err.value!r}, expected {err.expected}") from None
     except errors as err:  # TokenizerNotFound is a FileNotFoundError
-        raise UsageError(str(err)) from None
+        raise UsageError(with_flag_names(str(err))) from None
+    except OSError as err:  # the compilation cache's or the connector's directory, a checkpoint file
+        where = "--compilation-cache: " if "compilation cache" in str(err) and args.compilation_cache else ""
+        raise UsageError(f"{where}{err}") from None
 
     if not primary:
         return 0

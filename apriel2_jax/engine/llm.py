@@ -50,6 +50,7 @@ from .prefix_cache import QUEUE_LOOKAHEAD, PrefixCache, PrefixStats, prefix_root
 from .sampling import SamplingParams, StopChecker, request_seed
 from .scheduler import Request, RequestStatus, ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from .step import Buckets, StepRunner, build_inputs, device_stops_exactly, stop_check_group, unpack_outputs
+from .tokenizer import TOKENIZER_FILE, Tokenizer
 
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
@@ -142,7 +143,7 @@ class LLM:
         kv_connector: EntryStore | None = None,
         kv_load_timeout: float = DEFAULTS.kv_load_timeout,
         seed: int = 0,
-        tokenizer=None,
+        tokenizer="auto",
         debug_checks: bool = False,
         warm_up: str | bool = DEFAULTS.warm_up,
         compilation_cache: str | os.PathLike | None = None,
@@ -169,7 +170,9 @@ class LLM:
         tokens (a multiple of ``page_size``; 0, the default: only at page-aligned chunk ends and branch
         points). ``kv_connector``: an external store (``kv_connector.HostMemoryStore``, ``DiskStore``) that
         prefill saves prefixes to and admissions load longer prefixes from, asynchronously (needs prefix
-        caching); a load taking more than ``kv_load_timeout`` seconds is abandoned and its prefix recomputed."""
+        caching); a load taking more than ``kv_load_timeout`` seconds is abandoned and its prefix recomputed.
+        ``tokenizer``: "auto" (the checkpoint directory's ``tokenizer.json`` where it has one), a ``Tokenizer``,
+        or None (prompts and outputs as token ids only)."""
         if (checkpoint_dir is None) == (model is None):
             raise ValueError("give either a checkpoint directory or a loaded model")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -196,13 +199,19 @@ class LLM:
             model = shard_model(model, tensor_parallel)
         self.model = model
         self.config = model.config
+        if isinstance(tokenizer, str):
+            if tokenizer != "auto":
+                raise ValueError(f"tokenizer must be 'auto', a Tokenizer or None, got {tokenizer!r}")
+            tokenizer = None
+            if self.checkpoint_dir and os.path.isfile(os.path.join(self.checkpoint_dir, TOKENIZER_FILE)):
+                tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
         self.tokenizer = tokenizer
         # Named placements: given, or the checkpoint's placements.json.
         self.named_placements = dict(placements or {})
         if not placements and self.checkpoint_dir and os.path.exists(os.path.join(self.checkpoint_dir, "placements.json")):
             self.named_placements = load_placements(self.checkpoint_dir)
 
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.max_model_len = self.config.max_position_embeddings if max_model_len is None else max_model_len
         max_chunk = max_chunk or max_num_batched_tokens
         max_prefill_rows = max_prefill_rows or max_num_seqs
         for name, value in (
@@ -216,6 +225,9 @@ class LLM:
         ):
             if not isinstance(value, int) or value < 1:
                 raise CacheConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len > self.config.max_position_embeddings:  # allowed: RoPE computes any position
+            self.log(f"warning: max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                     f"{self.config.max_position_embeddings} (config.json): positions past it were not trained")
         if max_chunk > max_num_batched_tokens:
             raise CacheConfigError(
                 f"max_chunk={max_chunk} exceeds max_num_batched_tokens={max_num_batched_tokens}: one prefill step "
@@ -391,7 +403,8 @@ class LLM:
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+                raise ValueError("this model has no tokenizer (LLM(tokenizer=None), or no tokenizer.json in its "
+                                 "checkpoint): pass prompts as lists of token ids")
             return list(self.tokenizer.encode(prompt))
         # Integer arrays (and lists of ints) are checked in one numpy pass: a batch of long prompts is ~1M ids.
         array = np.asarray(prompt)

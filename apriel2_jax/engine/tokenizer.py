@@ -40,10 +40,9 @@ class TokenizerNotFound(FileNotFoundError):
 
     def __init__(self, directory: str):
         self.directory = directory
-        super().__init__(
-            f"no {TOKENIZER_FILE} in {directory}: this checkpoint has no tokenizer; give prompts as token ids "
-            f"(--prompt-ids \"1,2,3\" on the command line, lists of ints in Python)"
-        )
+        # No hint here: what to do instead depends on the caller (a flag of one command, an API field, a list of
+        # ids in Python), which adds it.
+        super().__init__(f"no {TOKENIZER_FILE} in {directory}: this checkpoint has no tokenizer")
 
 
 class ChatTemplateError(ValueError):

@@ -72,16 +72,21 @@ class Responder:
         self.created = int(time.time())
 
     # -- pieces ------------------------------------------------------------------------------------------------
-    def _logprobs(self, pieces: list[str], logprobs: list[float], text_offset: int) -> dict | None:
+    def _logprobs(self, choice: Choice, pieces: list[str], logprobs: list[float], text_offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
         if self.chat:
             return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")), "top_logprobs": []}
                                 for p, lp in zip(pieces, logprobs)]}
-        offsets, at = [], text_offset
-        for p in pieces:
-            offsets.append(at)
-            at += len(p)
+        if choice.detokenizer.tokenizer is None:
+            # No tokenizer: the text is empty and the pieces are placeholders ("token_id:46"), not part of it.
+            # Offsets into that empty text are all 0 (a list of ints, as the schema has it, rather than null).
+            offsets = [text_offset] * len(pieces)
+        else:
+            offsets, at = [], text_offset
+            for p in pieces:
+                offsets.append(at)
+                at += len(p)
         # Only the sampled tokens' log-probabilities are computed: no alternatives (top_logprobs is null).
         return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
@@ -106,7 +111,7 @@ class Responder:
     def response(self, choices: list[Choice]) -> dict:
         bodies = []
         for c in choices:
-            lp = self._logprobs(c.pieces, c.logprobs, 0)
+            lp = self._logprobs(c, c.pieces, c.logprobs, 0)
             if self.chat:
                 body = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                         "finish_reason": c.finish_reason}
@@ -123,7 +128,7 @@ class Responder:
         """One chunk of ``choice``: its new text and tokens (and the finish reason on its last chunk)."""
         first = not choice.announced
         choice.announced = True
-        lp = self._logprobs(pieces, logprobs, text_offset) if token_ids else None
+        lp = self._logprobs(choice, pieces, logprobs, text_offset) if token_ids else None
         if self.chat:
             delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
             body = {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}

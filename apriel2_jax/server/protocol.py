@@ -111,7 +111,7 @@ class ChatMessage(BaseModel):
     # Tool calls, names and the like are passed through to the chat template, which decides what they mean.
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # absent only with an assistant's tool_calls (prepare_chat checks)
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -290,6 +290,20 @@ def _message_dict(message: ChatMessage) -> dict:
     return out
 
 
+def _check_contents(messages: list[ChatMessage]) -> None:
+    """The OpenAI API requires content in every message but an assistant's that carries tool_calls (or the older
+    function_call). The body model lets it be absent for that case; a chat template would render a missing one
+    as the text "None"."""
+    for i, m in enumerate(messages):
+        if m.content is not None:
+            continue
+        extra = m.model_extra or {}
+        if m.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+            continue
+        raise _bad(f"messages[{i}].content", f"a {m.role!r} message needs content (a string or a list of text "
+                                             f"parts); only assistant messages with tool_calls may omit it")
+
+
 def prepare_chat(body: ChatCompletionRequest, view: EngineView) -> PreparedRequest:
     from ..engine.tokenizer import ChatTemplateError
 
@@ -299,8 +313,12 @@ def prepare_chat(body: ChatCompletionRequest, view: EngineView) -> PreparedReque
         raise _bad("top_logprobs", "alternatives are not computed by this engine (only the sampled token's "
                                    "log-probability); use logprobs=true with top_logprobs 0 or unset")
     tok = view.tokenizer
-    if tok is None or not tok.has_chat_template:
+    if tok is None:
+        raise _bad("messages", "this model has no tokenizer, so chat completions are unavailable; use "
+                               "/v1/completions with prompts as token-id arrays")
+    if not tok.has_chat_template:
         raise _bad("messages", "this model's tokenizer has no chat template; use /v1/completions")
+    _check_contents(body.messages)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise _bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     max_tokens, field = body.max_tokens, "max_tokens"

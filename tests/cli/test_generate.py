@@ -125,6 +125,23 @@ def test_text_prompt_json(json_run, text_ckpt):
     assert re.search(r"\d+ decode dispatches, \d+ chained", stderr)
 
 
+def test_llm_loads_the_checkpoint_tokenizer_by_default(text_ckpt):
+    from apriel2_jax.engine.llm import LLM
+
+    small = dict(max_num_seqs=2, max_num_batched_tokens=16, max_chunk=16, page_size=4, warm_up="none",
+                 cache_bytes=2**20, compilation_cache="off")
+    logged = []
+    llm = LLM(text_ckpt, max_model_len=1024, log=logged.append, **small)
+    assert llm.tokenizer is not None and llm.tokenizer.encode("hello") == Tokenizer.from_dir(text_ckpt).encode("hello")
+    # Past the model's trained positions (512): allowed, with a warning naming both numbers.
+    assert any("warning" in m and "1024" in m and "512" in m for m in logged), logged
+    assert LLM(text_ckpt, tokenizer=None, log=logged.append, **small).tokenizer is None
+    no_tokenizer = LLM(CASE, log=logged.append, **small)
+    assert no_tokenizer.tokenizer is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        no_tokenizer.generate(["hello"])
+
+
 def test_text_prompt_streams_and_stops(json_run, text_ckpt, capsys):
     """Streaming output of the same prompt, cut at a stop string taken from the middle of the full text."""
     full = json.loads(json_run[1])[0]["text"]
@@ -158,24 +175,59 @@ def test_text_prompt_without_tokenizer(capsys):
 
 
 def test_stop_string_without_tokenizer(capsys):
-    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--stop", "x", *ENGINE], "--stop", "tokenizer")
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--stop", "x", *ENGINE], "--stop", "tokenizer", "--stop-token-ids")
 
 
-@pytest.mark.parametrize("flag,value,field", [
-    ("--temperature", "-1", "temperature"),
-    ("--top-p", "0", "top_p"),
-    ("--top-k", "-2", "top_k"),
-    ("--max-new-tokens", "0", "max_new_tokens"),
-    ("--seed", "-1", "seed"),
+@pytest.mark.parametrize("flag,value", [
+    ("--temperature", "-1"),
+    ("--temperature", "nan"),
+    ("--top-p", "0"),
+    ("--top-k", "-2"),
+    ("--max-new-tokens", "0"),
+    ("--seed", "-1"),
 ])
-def test_bad_sampling_values(capsys, flag, value, field):
-    # No engine flags: sampling values are checked before anything is loaded.
-    _fails(capsys, [CASE, "--prompt-ids", "1,2", flag, value], field, value)
+def test_bad_sampling_values(capsys, flag, value):
+    # No engine flags: sampling values are checked before anything is loaded, and named by their flag.
+    err = _fails(capsys, [CASE, "--prompt-ids", "1,2", flag, value], flag, value)
+    assert "SamplingParams" not in err
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--max-model-len", "0"),  # was silently the model's default
+    ("--max-model-len", "-5"),
+    ("--tensor-parallel", "0"),
+    ("--max-num-seqs", "0"),
+    ("--page-size", "-1"),
+    ("--decode-steps", "0"),
+    ("--kv-load-timeout", "0"),
+    ("--cache-memory-fraction", "1.5"),
+    ("--snapshot-memory-fraction", "1"),
+    ("--snapshot-interval", "-16"),
+])
+def test_bad_engine_values_name_their_flag(capsys, flag, value):
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", flag, value], f"argument {flag}", repr(value))
+
+
+def test_engine_errors_name_flags_not_keyword_arguments(capsys):
+    # A constraint between two flags, checked by the engine: reported with the flags' names.
+    err = _fails(capsys, [CASE, "--prompt-ids", "1,2", "--max-num-batched-tokens", "8", "--max-chunk", "16",
+                          "--warm-up", "none"], "--max-chunk=16", "--max-num-batched-tokens=8")
+    assert "max_chunk" not in err
+
+
+def test_unusable_directories_are_usage_errors(capsys, tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--kv-connector", "disk", "--kv-connector-path", str(a_file),
+                    *ENGINE], "--kv-connector-path", str(a_file))
+    _fails(capsys, [CASE, "--prompt-ids", "1,2", "--compilation-cache", str(a_file / "cache"), *ENGINE],
+           "--compilation-cache", "cannot create")
 
 
 def test_bad_prompt_ids(capsys):
     _fails(capsys, [CASE, "--prompt-ids", "1,x"], "--prompt-ids", "'x'")
     _fails(capsys, [CASE, "--prompt-ids", " , "], "--prompt-ids")
+    _fails(capsys, [CASE, "--prompt-ids", "1,,2"], "--prompt-ids", "empty entry")  # a lost id, not [1, 2]
     _fails(capsys, [CASE, "--prompt-ids", "1,-3"], "negative")
     _fails(capsys, [CASE, "--prompt-ids", "1,80", *ENGINE], "outside the vocabulary")
 
@@ -223,6 +275,10 @@ def test_prompts_file_text_and_jsonl(tmp_path):
         read_prompts_file(str(jsonl))
     with pytest.raises(UsageError, match="cannot read"):
         read_prompts_file(str(tmp_path / "missing.txt"))
+    # A first line meant as JSON but broken is an error, not a text prompt of its characters.
+    jsonl.write_text('{"prompt": [1, 2\n')
+    with pytest.raises(UsageError, match="line 1: starts with '{' but is not valid JSON"):
+        read_prompts_file(str(jsonl))
 
 
 def test_prompts_file_errors_reach_the_user(capsys, tmp_path):

@@ -169,4 +169,5 @@ def test_missing_tokenizer_json(tmp_path):
         Tokenizer.from_dir(tmp_path)
     assert isinstance(info.value, FileNotFoundError)
     message = str(info.value)
-    assert str(tmp_path) in message and "--prompt-ids" in message
+    # The caller adds what to do instead (a flag of its own command, an API field): no command's flag here.
+    assert str(tmp_path) in message and "tokenizer.json" in message and "--" not in message

@@ -11,9 +11,10 @@ import sys
 from contextlib import redirect_stderr
 
 import httpx
+import pytest
 
 from apriel2_jax.cli.serve import main
-from tests.server.conftest import wait_until
+from tests.server.conftest import CASE, wait_until
 
 
 def _run(argv):
@@ -30,6 +31,53 @@ def test_usage_errors_exit_2(text_ckpt, tmp_path):
     assert code == 2 and "--kv-connector" in err
     code, err = _run([text_ckpt, "--max-queued-requests", "-1"])
     assert code == 2 and "--max-queued-requests" in err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if main() gets as far as loading the model (serve.py imports LLM when it runs)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("apriel2_jax.engine.llm.LLM", refuse)
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "65536", "http"])
+def test_port_out_of_range_is_a_usage_error(text_ckpt, no_model_load, port):
+    # 70000 used to be truncated by the OS to 4464, and -1 failed only after the model loaded.
+    code, err = _run([text_ckpt, "--port", port])
+    assert code == 2 and "argument --port" in err and "0-65535" in err, err
+
+
+def test_busy_port_fails_before_the_model_loads(text_ckpt, no_model_load):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = _run([text_ckpt, "--host", "127.0.0.1", "--port", str(port)])
+    assert code == 2 and f"127.0.0.1:{port}" in err and "in use" in err, err
+
+
+def test_unknown_host_fails_before_the_model_loads(text_ckpt, no_model_load):
+    code, err = _run([text_ckpt, "--host", "no-such-host.invalid", "--port", "0"])
+    assert code == 2 and "--host 'no-such-host.invalid'" in err, err
+
+
+def test_missing_config_is_reported_before_the_tokenizer(tmp_path, no_model_load):
+    code, err = _run([str(tmp_path), "--port", "0"])
+    assert code == 2 and "config.json" in err and "tokenizer" not in err, err
+
+
+def test_no_tokenizer_says_what_the_server_accepts(tmp_path, monkeypatch):
+    for name in ("config.json", "placements.json"):
+        shutil.copy(os.path.join(CASE, name), tmp_path / name)
+
+    def stop(*args, **kwargs):  # the tokenizer message comes before the model loads; stop there
+        raise ValueError("stopped before loading")
+    monkeypatch.setattr("apriel2_jax.engine.llm.LLM", stop)
+    code, err = _run([str(tmp_path), "--port", "0"])
+    assert code == 2 and "stopped before loading" in err, err
+    # Not apriel2-generate's hint: this command has no --prompt-ids.
+    assert "--prompt-ids" not in err and "token-id arrays only" in err and "chat completions are unavailable" in err
 
 
 def _free_port() -> int:

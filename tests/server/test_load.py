@@ -238,6 +238,10 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": []}, "messages", 400),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role", 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", 400),
+    # Content may be absent only from an assistant message with tool_calls (else the template renders "None").
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content", 400),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, *MSG]}, "messages[0].content", 400),
+    ("/v1/chat/completions", {"messages": [*MSG, {"role": "assistant"}, *MSG]}, "messages[1].content", 400),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages", 400),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2, "logprobs": True}, "top_logprobs", 400),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens", 400),
