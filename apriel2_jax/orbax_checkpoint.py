@@ -1,7 +1,7 @@
 """The converted checkpoint format: orbax PyTree checkpoints that the engine loads straight onto its devices.
 
-A converted directory holds the HF-side files (``config.json``, ``placements.json`` when stochastic layers
-remain, tokenizer files), a manifest ``apriel2_jax.json``, and ``params/<group>/``: one orbax checkpoint per
+A converted directory holds the HF-side files (``config.json``, ``placements.json`` with the named placements
+it keeps, tokenizer files), a manifest ``apriel2_jax.json``, and ``params/<group>/``: one orbax checkpoint per
 group of tensors (the embedding, each decoder layer, the final norm and head), so that neither conversion nor
 loading ever holds more than one layer on the host. Tensors are stored in the mesh layout of the
 tensor-parallel size they were converted for (``apriel2_jax.sharding``; size 1 is the HF layout), so a load at

@@ -10,6 +10,12 @@
 * Everything is checked before anything is written (missing, unexpected, mis-shaped or non-float tensors,
   unreadable or truncated files, unknown placements), the output is assembled beside ``DST`` and renamed into
   place at the end, and a failure removes it: ``DST`` is either complete or untouched.
+* ``DST`` is a new directory in an existing one or, with ``--force``, an empty directory or an earlier conversion
+  (recognised by its manifest): never the source, a directory holding it or inside it, a file or another directory.
+* The converted checkpoint keeps every named placement whose mixers it holds (``placements.json``, written over
+  the source's layers), so ``--placement NAME`` selects it there as on the source.
+
+Errors in the command or its inputs exit with status 2; an internal failure (a bug) exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 
 from apriel2_jax.checkpoint import DTYPES, check_tensors, expected_parameters
 from apriel2_jax.config import ConfigError, load_config, parse_config
-from apriel2_jax.orbax_checkpoint import FORMAT, MANIFEST, VERSION, read_group, tensor_group, write_group
+from apriel2_jax.orbax_checkpoint import FORMAT, MANIFEST, VERSION, is_converted, read_group, tensor_group, write_group
 from apriel2_jax.placement import PlacementError, load_placements, resolve_placement
 from apriel2_jax.safetensors_io import CheckpointError, index_checkpoint, read_tensor
 from apriel2_jax.sharding import ShardingError, plan_tensor_parallel, read_shard
@@ -41,7 +47,11 @@ AUX_FILES = (
 
 
 class ConversionError(RuntimeError):
-    pass
+    """A problem with the command line or its inputs: reported on stderr, exit status 2."""
+
+
+class InternalError(ConversionError):
+    """A bug in the conversion, not in its inputs: exit status 1."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -60,6 +70,80 @@ def _parse_placements(specs: Sequence[str], config, named: dict, source: str) ->
         except PlacementError as err:
             raise ConversionError(f"--placement {spec!r} does not fit {source}: {err}") from None
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Source and target
+
+
+def _check_source(source: str) -> None:
+    if not os.path.isdir(source):
+        raise ConversionError(f"{source}: not a directory (expected an HF Apriel2 checkpoint directory)")
+    if is_converted(source):
+        raise ConversionError(
+            f"{source} is already a converted apriel2-jax checkpoint (it has {MANIFEST}): load it directly "
+            f"(apriel2-generate/apriel2-serve {source}); apriel2-convert reads HF checkpoints"
+        )
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory and path != directory
+
+
+def _earlier_conversion(target: str) -> str | None:
+    """None if ``target`` is an earlier conversion (the only directory --force replaces), else why it is not."""
+    path = os.path.join(target, MANIFEST)
+    if not os.path.isfile(path):
+        return f"it has no {MANIFEST}"
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"its {MANIFEST} is unreadable ({err})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"its {MANIFEST} is not an apriel2-jax manifest (format is not {FORMAT!r})"
+    return None
+
+
+def _check_target(source: str, target: str, force: bool) -> None:
+    """Refuse every ``target`` whose writing or replacing could lose data, --force or not: only a new directory in
+    an existing one, an empty directory or (with --force) an earlier conversion will do."""
+    real_source, real_target = os.path.realpath(source), os.path.realpath(target)  # symlinks cannot hide the source
+    if real_target == real_source:
+        raise ConversionError(f"DST {target} is the source checkpoint; give a new directory for the conversion")
+    if _inside(real_source, real_target):
+        raise ConversionError(
+            f"DST {target} contains the source checkpoint {source}; replacing it would delete the source: give a new "
+            f"directory for the conversion"
+        )
+    if _inside(real_target, real_source):
+        raise ConversionError(
+            f"DST {target} is inside the source checkpoint {source}; the conversion does not write into its source: "
+            f"give a directory outside it"
+        )
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConversionError(f"the parent directory of DST, {parent}, {what}; apriel2-convert creates only DST itself")
+    if os.path.islink(target):
+        raise ConversionError(f"DST {target} is a symbolic link; give the path of a directory, not a link")
+    if not os.path.exists(target):
+        return
+    if not os.path.isdir(target):
+        raise ConversionError(
+            f"DST {target} exists and is not a directory; apriel2-convert replaces only an earlier conversion, even "
+            f"with --force: give a new path or remove it yourself"
+        )
+    why = _earlier_conversion(target) if os.listdir(target) else None  # an empty directory: nothing to lose
+    if why is not None:
+        raise ConversionError(
+            f"DST {target} exists and is not an apriel2-jax conversion ({why}); apriel2-convert replaces only an "
+            f"earlier conversion, even with --force: give a new directory or remove it yourself"
+        )
+    if not force:
+        raise ConversionError(
+            f"{target} exists; pass --force to replace it (an earlier conversion or an empty directory)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,10 +205,8 @@ def convert(
 ) -> dict:
     """Convert ``source`` (an HF Apriel2 directory) to ``target``; returns the manifest written."""
     source, target = os.path.abspath(source), os.path.abspath(target)
-    if not os.path.isdir(source):
-        raise ConversionError(f"{source}: not a directory (expected an HF Apriel2 checkpoint directory)")
-    if os.path.exists(target) and not force:
-        raise ConversionError(f"{target} exists; pass --force to replace it")
+    _check_source(source)
+    _check_target(source, target, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     np_dtype = None if dtype is None else np.dtype(DTYPES[dtype])
@@ -140,7 +222,7 @@ def convert(
     named = load_placements(source) if os.path.exists(os.path.join(source, "placements.json")) else {}
     chosen = _parse_placements(placements, config, named, source)
     renames: dict[str, str] = {}
-    out_raw = raw
+    out_raw, keep = raw, None
     if chosen:
         if not config.is_supernet:
             raise ConversionError(f"--placement thins a supernet, but {config_path} has no stochastic layer")
@@ -155,11 +237,10 @@ def convert(
     sources = {key: source_key(key, renames) for key in expected}
     absent = sorted(k for k, s in sources.items() if s not in found)
     if absent:  # a thinning bug, not a user error: the check above found every source tensor
-        raise ConversionError(f"internal error: no source tensor for {absent[:5]}")
-    out_placements = _kept_placements(named, out_config, chosen)
+        raise InternalError(f"no source tensor for {absent[:5]}")
+    out_placements = _kept_placements(named, config, out_config, chosen, keep)
 
     parent, name = os.path.split(target)
-    os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
@@ -169,10 +250,7 @@ def convert(
         if verify:
             _verify(staging, found, expected, sources, plan, np_dtype, manifest, log)
         if os.path.exists(target):
-            old = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
-            os.rename(target, old)
-            os.rename(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(target, staging, os.path.join(parent, f".{name}.replaced-{os.getpid()}"), log)
         else:
             os.rename(staging, target)
     except BaseException:
@@ -181,17 +259,41 @@ def convert(
     return manifest
 
 
-def _kept_placements(named: dict, config, chosen) -> dict:
-    """The placements that still resolve on the thinned model (none once no stochastic layer remains)."""
-    if not config.is_supernet:
-        return {}
+def _replace(target: str, staging: str, old: str, log) -> None:
+    """Swap the complete ``staging`` in for ``target`` (an earlier conversion or an empty directory, as
+    ``_check_target`` ensured) and delete the old one: on any failure before the swap ``target`` is put back."""
+    os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    try:
+        shutil.rmtree(old)
+    except OSError as err:  # the new conversion is in place; only the old one's removal failed
+        log(f"apriel2-convert: warning: could not delete the replaced conversion, moved to {old} ({err}); "
+            f"delete it yourself")
+
+
+def _kept_placements(named: dict, config, out_config, chosen, keep) -> dict:
+    """The named placements (from the source's placements.json, and the --placement mixer lists under their
+    spelling) whose every mixer the converted model keeps, each as {layer: mixer} over the source's stochastic
+    layers. A layer the thinning left with one mixer takes that mixer's name (its block is named after it), so each
+    still selects, by name, the mixers it selects on the source."""
     out = {}
     for name, spec in list(named.items()) + [(label, list(p)) for label, p in chosen if label not in named]:
         try:
-            resolve_placement(config, spec)
+            resolved = resolve_placement(config, spec)
         except PlacementError:
-            continue
-        out[name] = spec
+            continue  # an entry of the source's placements.json that does not fit the source itself
+        if keep is not None and any(m is not None and m not in keep[i] for i, m in enumerate(resolved)):
+            continue  # needs a mixer the thinning dropped
+        translated = {str(i): m for i, m in enumerate(resolved) if m is not None}
+        try:
+            resolve_placement(out_config, translated)
+        except PlacementError as err:
+            raise InternalError(f"placement {name!r} does not fit the thinned model: {err}") from None
+        out[name] = translated
     return out
 
 
@@ -259,7 +361,7 @@ def _verify(staging, found, expected, sources, plan, np_dtype, manifest, log) ->
             want = _tensor(found, key, sources[key], expected[key], plan, np_dtype)
             got = np.asarray(array)
             if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
-                raise ConversionError(f"verification failed: {key} reloaded from {staging} differs from {sources[key]}")
+                raise InternalError(f"verification failed: {key} reloaded from {staging} differs from {sources[key]}")
             progress.update(sizes[key])
     log(f"verified {len(expected)} tensors")
 
@@ -272,9 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="apriel2-convert",
         description="Convert an HF Apriel2 checkpoint (single or sharded safetensors) to the orbax checkpoint the "
         "apriel2-jax engine loads directly, optionally thinned to placements and laid out for tensor parallelism.",
+        epilog="Errors in the command or its inputs exit with status 2; an internal failure exits with status 1.",
     )
     parser.add_argument("source", metavar="SRC", help="HF checkpoint directory (config.json + safetensors)")
-    parser.add_argument("target", metavar="DST", help="output directory (must not exist unless --force)")
+    parser.add_argument("target", metavar="DST", help="output directory: a new one in an existing directory (or an "
+                        "earlier conversion with --force)")
     parser.add_argument("--placement", action="append", default=[], metavar="NAME|MIXERS",
                         help="keep only the mixers of this placement: a name from placements.json or one mixer per "
                         "layer, comma-separated; repeat to keep the union of several")
@@ -283,19 +387,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="lay the tensors out for a mesh of N devices (default 1: loads at any size)")
     parser.add_argument("--verify", action="store_true", help="reload every tensor and compare it with the source")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it is an earlier apriel2-convert output "
+                        "or an empty directory (only once the new one is complete); any other existing DST is refused")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed usage and the message (or --help)
+        return exit_.code if isinstance(exit_.code, int) else 2
     try:
         start = time.monotonic()
         convert(args.source, args.target, placements=args.placement, dtype=args.dtype, tp=args.tp,
                 verify=args.verify, force=args.force)
-    except (ConversionError, CheckpointError, ConfigError, ShardingError, PlacementError, FileNotFoundError) as err:
-        print(f"apriel2-convert: error: {err}", file=sys.stderr)
+    except InternalError as err:
+        print(f"apriel2-convert: internal error: {err}", file=sys.stderr)
         return 1
+    except (ConversionError, CheckpointError, ConfigError, ShardingError, PlacementError, OSError) as err:
+        # Exit status 2, as apriel2-generate: a user error (OSError: an unreadable source, an unwritable DST...).
+        print(f"apriel2-convert: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # convert() already removed its partial output
+        print("apriel2-convert: interrupted", file=sys.stderr)
+        return 130
     print(f"apriel2-convert: {args.target} written in {time.monotonic() - start:.1f}s", file=sys.stderr)
     return 0
 

@@ -175,7 +175,7 @@ def test_kv_connector_is_refused_across_processes():
                               "--kv-connector", "host", "--kv-connector-bytes", "64M"], devices=1)
     for code, out, err in results:
         assert code == 2 and out == "", err[-2000:]
-        assert "kv_connector is not supported across several processes (2 joined)" in err
+        assert "--kv-connector is not supported across several processes (2 joined)" in err
 
 
 def test_server_is_refused_across_processes():

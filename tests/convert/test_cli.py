@@ -3,6 +3,7 @@ bad input failing with an error that names the problem and leaving nothing behin
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ import pytest
 from apriel2_jax.checkpoint import load_model
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.parity import load_case
-from apriel2_jax.placement import resolve_placement
+from apriel2_jax.placement import active_mixer, load_placements, resolve_placement
 from apriel2_jax.safetensors_io import CheckpointError
+import convert.cli
 from convert.cli import main
 from tests.conftest import GOLDENS, golden_cases
 from tests.engine.test_llm import GREEDY, SMALL, _prompts
@@ -72,11 +74,13 @@ def test_thinning_keeps_the_placements_mixers_and_their_outputs(tmp_path):
         config = json.load(f)
     assert config["decoder"]["pattern"] == ["kda", "gdn", "kda", "gdn"]
     assert all(b["mixer"]["type"] in ("kda", "gdn") for b in config["decoder"]["blocks"].values())
-    assert not os.path.exists(tmp_path / "thin" / "placements.json")  # no stochastic layer is left
+    # No stochastic layer is left, but the placement's name still selects the thinned model.
+    assert load_placements(tmp_path / "thin") == {"every2_kda": {"0": "kda", "1": "gdn", "2": "kda", "3": "gdn"}}
     supernet, thinned = load_model(source, "float32"), load_model(tmp_path / "thin", "float32")
     placement = resolve_placement(supernet.config, "every2_kda", case.placements)
+    assert resolve_placement(thinned.config, "every2_kda", load_placements(tmp_path / "thin")) == (None,) * 4
     np.testing.assert_array_equal(_forward(thinned, _ids(case), (None,) * 4), _forward(supernet, _ids(case), placement))
-    llm = LLM(tmp_path / "thin", dtype="float32", **SMALL)
+    llm = LLM(tmp_path / "thin", dtype="float32", placement="every2_kda", **SMALL)
     tokens = [o.token_ids for o in llm.generate(_prompts(case), GREEDY)]
     np.testing.assert_array_equal(tokens, case.greedy_ids["every2_kda"])
 
@@ -99,6 +103,28 @@ def test_thinning_to_several_placements_keeps_their_union(tmp_path, capsys):
         llm.set_placement(name)
         assert len(llm.generate(_prompts(case), GREEDY)) == 2
     assert "converting [" in capsys.readouterr().err
+
+
+def test_thinned_checkpoint_selects_each_kept_placement_by_name(tmp_path):
+    """Layer 0 keeps only sliding_window (a fixed layer), layers 1 and 2 two mixers each: both names still select,
+    on the converted model, the mixers they select on the supernet, and compute the same logits."""
+    source = os.path.join(GOLDENS, "supernet_swa")
+    case = load_case(source)
+    _convert(source, tmp_path / "thin", "--placement", "mixed", "--placement", "all_swa")
+    named = load_placements(tmp_path / "thin")
+    assert sorted(named) == ["all_swa", "mixed"]  # main and mixed2 need mixers that were dropped
+    supernet, thinned = load_model(source, "float32"), load_model(tmp_path / "thin", "float32")
+    for name in ("mixed", "all_swa"):
+        original = resolve_placement(supernet.config, name, case.placements)
+        placement = resolve_placement(thinned.config, name, named)
+        for layer in range(3):
+            assert active_mixer(thinned.config, placement, layer) == active_mixer(supernet.config, original, layer)
+        np.testing.assert_array_equal(_forward(thinned, _ids(case), placement),
+                                      _forward(supernet, _ids(case), original))
+    # The layer left with one mixer takes that mixer's name, as it did on the supernet.
+    all_swa = resolve_placement(thinned.config, "all_swa", named)
+    assert resolve_placement(thinned.config, ["sliding_window"] * 3) == all_swa
+    assert resolve_placement(thinned.config, {"0": "swa", "1": "attention", "2": "gdn"}) == (None, "attention", "gdn")
 
 
 def test_sharded_source_with_untied_head(tmp_path):
@@ -154,28 +180,98 @@ def test_bad_input_fails_with_its_error_and_writes_nothing(problem, tmp_path, ca
     source = _source(tmp_path, mutate)
     if damage:
         damage(os.path.join(source, "model.safetensors"))
-    out = tmp_path / "out" / "converted"
-    assert main([source, str(out)]) == 1
+    out = tmp_path / "converted"
+    assert main([source, str(out)]) == 2
     err = capsys.readouterr().err
     assert "apriel2-convert: error:" in err and all(n in err for n in needles), err
-    assert not out.exists()
-    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no output, no partial output
 
 
 def test_placement_errors_and_existing_target(tmp_path, capsys):
     source = os.path.join(GOLDENS, "supernet_swa")
     out = tmp_path / "out"
-    assert main([source, str(out), "--placement", "attention,kda,gdn"]) == 1
+    assert main([source, str(out), "--placement", "attention,kda,gdn"]) == 2
     assert "--placement 'attention,kda,gdn' does not fit" in capsys.readouterr().err
-    assert main([source, str(out), "--placement", "nope"]) == 1
+    assert main([source, str(out), "--placement", "nope"]) == 2
     assert "unknown placement 'nope'" in capsys.readouterr().err
     assert not out.exists() and os.listdir(tmp_path) == []
     _convert(source, out)
-    assert main([source, str(out)]) == 1
+    assert main([source, str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     _convert(source, out, "--force", "--placement", "main")
-    assert sorted(os.listdir(tmp_path)) == ["out"]
-    assert not os.path.exists(out / "placements.json")
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # the replaced conversion is gone, nothing half-done is left
+    assert load_placements(out) == {"main": {"0": "attention", "1": "attention", "2": "attention"}}
+    (tmp_path / "empty").mkdir()
+    assert main([source, str(tmp_path / "empty")]) == 2
+    _convert(source, tmp_path / "empty", "--force")  # an empty directory has nothing to lose
+    assert sorted(os.listdir(tmp_path)) == ["empty", "out"]
+
+
+def _tree(root):
+    """Every path under ``root`` with its file contents: what a refused conversion must leave as it was."""
+    out = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            out[os.path.relpath(path, root)] = None if not os.path.isfile(path) else open(path, "rb").read()
+    return out
+
+
+# DST (relative to tmp_path; the source is a/src), whether --force is given, and what the error says.
+DANGEROUS_TARGETS = {
+    "the source": ("a/src", True, ["a/src is the source checkpoint"]),
+    "the source's parent": ("a", True, ["contains the source checkpoint", "would delete the source"]),
+    "a folder above it": (".", True, ["contains the source checkpoint"]),
+    "inside the source": ("a/src/out", False, ["a/src/out is inside the source checkpoint"]),
+    "inside the source, forced": ("a/src/out", True, ["is inside the source checkpoint"]),
+    "a file": ("notes.txt", True, ["notes.txt exists and is not a directory", "only an earlier conversion"]),
+    "another directory": ("data", True, ["data exists and is not an apriel2-jax conversion", "no apriel2_jax.json"]),
+    "a link": ("link", True, ["link is a symbolic link"]),
+    "a missing parent": ("typo/out", False, ["the parent directory of DST", "typo, does not exist"]),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(DANGEROUS_TARGETS))
+def test_target_that_could_lose_data_is_refused_even_with_force(problem, tmp_path, capsys):
+    target, force, needles = DANGEROUS_TARGETS[problem]
+    config = tiny_config()
+    write_checkpoint(str(tmp_path / "a" / "src"), config, random_weights(config))
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "results.csv").write_text("keep me too")
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    before = _tree(tmp_path)
+    assert main([str(tmp_path / "a" / "src"), str(tmp_path / target)] + ["--force"] * force) == 2
+    err = capsys.readouterr().err
+    assert "apriel2-convert: error: DST" in err or "apriel2-convert: error: the parent" in err, err
+    assert all(n in err for n in needles), err
+    assert _tree(tmp_path) == before
+
+
+def test_already_converted_source_and_bad_placements_file(tmp_path, capsys):
+    source = tmp_path / "src"
+    shutil.copytree(os.path.join(GOLDENS, "supernet_swa"), source)
+    (source / "placements.json").write_text("{main: [}")
+    assert main([str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{source / 'placements.json'}: not valid JSON" in err, err
+    (source / "placements.json").unlink()
+    _convert(source, tmp_path / "out")
+    assert main([str(tmp_path / "out"), str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "is already a converted apriel2-jax checkpoint" in err and "load it directly" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_exit_status_tells_user_errors_from_internal_ones(tmp_path, monkeypatch, capsys):
+    source = _source(tmp_path)
+    assert main([source]) == 2  # argparse: DST missing
+    assert main([source, str(tmp_path / "out"), "--tp", "0"]) == 2
+    assert "apriel2-convert: error:" in capsys.readouterr().err
+    monkeypatch.setattr(convert.cli, "source_key", lambda key, renames: "nowhere." + key)  # a thinning bug
+    assert main([source, str(tmp_path / "out")]) == 1
+    assert "apriel2-convert: internal error: no source tensor" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
 def test_console_script_runs(tmp_path):
