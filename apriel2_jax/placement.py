@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Mapping, Sequence, Union
 
 from .config import Apriel2Config, LeafMixerConfig, StochasticConfig
@@ -34,9 +33,7 @@ def load_placements(path: str | os.PathLike) -> dict[str, dict[str, str]]:
         try:
             data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise PlacementError(
-                f"{path}: not valid JSON ({err}); expected an object of named placements"
-            ) from None
+            raise PlacementError(f"{path}: not valid JSON ({err}); expected an object of named placements") from None
     if not isinstance(data, dict) or not all(isinstance(v, (dict, list)) for v in data.values()):
         raise PlacementError(f"{path}: expected an object of named placements, each a {{layer: mixer}} object or a list")
     return data
@@ -51,29 +48,14 @@ def _canonical(name: str, layer: int, mixer: StochasticConfig) -> str:
     raise PlacementError(f"layer {layer}: unknown mixer {name!r}; this layer's mixers are {list(mixer.names)}")
 
 
-def _fixed_layer_accepts(name: str, block) -> bool:
-    """A fixed layer takes its mixer type or the name of its block (or an alias of either): a conversion that
-    leaves a supernet layer one mixer names that layer's block after it (``NAME``, or ``NAME_2``... where such
-    layers differ), so placements written for the supernet still select the converted model."""
-    for spelling in {name, _ALIASES.get(name, name)}:
-        if spelling in (block.mixer.kind, block.name) or re.fullmatch(re.escape(spelling) + r"_[0-9]+", block.name):
-            return True
-    return False
-
-
-def _fixed_layer_error(layer: int, block, name: str) -> str:
-    return (f"layer {layer} is a fixed {block.mixer.kind} layer; the placement asks for {name!r} (a fixed layer takes "
-            f"its type {block.mixer.kind!r} or its block name {block.name!r})")
-
-
 def resolve_placement(
     config: Apriel2Config, spec: PlacementSpec = None, named: Mapping[str, object] | None = None
 ) -> Placement:
     """Turn a placement spec into a resolved placement.
 
     ``spec`` is None (every layer's ``main_mixer_name``), a name from ``named`` (a loaded placements.json), a
-    list with one mixer name per layer (None, the mixer type or the block name for fixed layers), or a
-    {layer: name} mapping that must cover every stochastic layer.
+    list with one mixer name per layer (None or the mixer type for fixed layers), or a {layer: name} mapping
+    that must cover every stochastic layer.
     """
     if isinstance(spec, str):
         if named is None or spec not in named:
@@ -101,8 +83,10 @@ def resolve_placement(
                     raise PlacementError(f"placement does not name a mixer for stochastic layer {i}")
                 resolved.append(_canonical(by_layer[i], i, block.mixer))
             else:
-                if i in by_layer and not _fixed_layer_accepts(by_layer[i], block):
-                    raise PlacementError(_fixed_layer_error(i, block, by_layer[i]))
+                if i in by_layer and by_layer[i] != block.mixer.kind:
+                    raise PlacementError(
+                        f"layer {i} is a fixed {block.mixer.kind} layer; the placement asks for {by_layer[i]!r}"
+                    )
                 resolved.append(None)
         return tuple(resolved)
     names = list(spec)
@@ -114,8 +98,8 @@ def resolve_placement(
                 raise PlacementError(f"placement gives no mixer for stochastic layer {i}")
             resolved.append(_canonical(name, i, block.mixer))
         else:
-            if name is not None and not _fixed_layer_accepts(name, block):
-                raise PlacementError(_fixed_layer_error(i, block, name))
+            if name is not None and name != block.mixer.kind and _ALIASES.get(name) != block.mixer.kind:
+                raise PlacementError(f"layer {i} is a fixed {block.mixer.kind} layer; the placement asks for {name!r}")
             resolved.append(None)
     return tuple(resolved)
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from apriel2_jax.checkpoint import DTYPES, check_tensors, expected_parameters
-from apriel2_jax.config import ConfigError, load_config, parse_config
+from apriel2_jax.config import ConfigError, StochasticConfig, load_config, parse_config
 from apriel2_jax.orbax_checkpoint import FORMAT, MANIFEST, VERSION, is_converted, read_group, tensor_group, write_group
 from apriel2_jax.placement import PlacementError, load_placements, resolve_placement
 from apriel2_jax.safetensors_io import CheckpointError, index_checkpoint, read_tensor
@@ -107,7 +107,7 @@ def _earlier_conversion(target: str) -> str | None:
 
 def _check_target(source: str, target: str, force: bool) -> None:
     """Refuse every ``target`` whose writing or replacing could lose data, --force or not: only a new directory in
-    an existing one, an empty directory or (with --force) an earlier conversion will do."""
+    an existing one will do, or, with --force, an empty directory or an earlier conversion."""
     real_source, real_target = os.path.realpath(source), os.path.realpath(target)  # symlinks cannot hide the source
     if real_target == real_source:
         raise ConversionError(f"DST {target} is the source checkpoint; give a new directory for the conversion")
@@ -121,6 +121,9 @@ def _check_target(source: str, target: str, force: bool) -> None:
             f"DST {target} is inside the source checkpoint {source}; the conversion does not write into its source: "
             f"give a directory outside it"
         )
+    cwd = os.path.realpath(os.getcwd())
+    if real_target == cwd or _inside(cwd, real_target):  # replacing it would pull the shell's directory away
+        raise ConversionError(f"DST {target} is the current directory or holds it; give a new directory")
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
@@ -277,9 +280,8 @@ def _replace(target: str, staging: str, old: str, log) -> None:
 
 def _kept_placements(named: dict, config, out_config, chosen, keep) -> dict:
     """The named placements (from the source's placements.json, and the --placement mixer lists under their
-    spelling) whose every mixer the converted model keeps, each as {layer: mixer} over the source's stochastic
-    layers. A layer the thinning left with one mixer takes that mixer's name (its block is named after it), so each
-    still selects, by name, the mixers it selects on the source."""
+    spelling) whose every mixer the converted model keeps, each as {layer: mixer} over the converted model's
+    stochastic layers: by name, each selects on the converted model the mixers it selects on the source."""
     out = {}
     for name, spec in list(named.items()) + [(label, list(p)) for label, p in chosen if label not in named]:
         try:
@@ -288,7 +290,10 @@ def _kept_placements(named: dict, config, out_config, chosen, keep) -> dict:
             continue  # an entry of the source's placements.json that does not fit the source itself
         if keep is not None and any(m is not None and m not in keep[i] for i, m in enumerate(resolved)):
             continue  # needs a mixer the thinning dropped
-        translated = {str(i): m for i, m in enumerate(resolved) if m is not None}
+        # Only the layers still stochastic on the converted model: one the thinning left with a single mixer is a
+        # fixed layer of that mixer there (which a placement names by its type or not at all).
+        translated = {str(i): m for i, m in enumerate(resolved)
+                      if m is not None and isinstance(out_config.blocks[i].mixer, StochasticConfig)}
         try:
             resolve_placement(out_config, translated)
         except PlacementError as err:

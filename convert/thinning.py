@@ -1,8 +1,7 @@
 """Thinning a supernet config: each stochastic layer keeps only the mixers some placements use.
 
 Plain JSON work on ``config.json`` (the HF layout is kept: a layer left with one mixer becomes a plain mixer of
-that type in a block named after that mixer, several stay a stochastic mixer over them), plus where each kept
-tensor comes from in the source.
+that type, several stay a stochastic mixer over them), plus where each kept tensor comes from in the source.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ def _layer_blocks(raw: dict, num_blocks: int) -> list[dict]:
 def thin(raw: dict, config, keep: Sequence[set[str] | None]) -> tuple[dict, dict[str, str]]:
     """``raw`` (config.json) with stochastic layer i reduced to the mixers ``keep[i]``; and the source prefix of
     every kept mixer's keys in the new layout."""
-    blocks, renames, made_fixed = [], {}, False
+    blocks, renames = [], {}
     for i, (block_raw, block) in enumerate(zip(_layer_blocks(raw, config.num_blocks), config.blocks)):
         block_raw = json.loads(json.dumps(block_raw))
         mixer = block.mixer
@@ -34,15 +33,12 @@ def thin(raw: dict, config, keep: Sequence[set[str] | None]) -> tuple[dict, dict
             if len(names) == 1:
                 block_raw["mixer"] = subs[names[0]]
                 renames[f"model.decoder.blocks.{i}.mixer."] = f"model.decoder.blocks.{i}.mixer.mixers.{names[0]}."
-                made_fixed = True
             else:
                 main = mixer.main_mixer_name if mixer.main_mixer_name in names else names[0]
                 block_raw["mixer"] = dict(block_raw["mixer"], mixers={n: subs[n] for n in names}, main_mixer_name=main)
         blocks.append((block_raw, _block_name(block_raw, mixer, keep[i])))
     out = json.loads(json.dumps(raw))
-    # A layer left with one mixer keeps that mixer's name as its block name (a fixed decoder has no block names),
-    # so that placements naming it still resolve on the thinned model (``placement._fixed_layer_accepts``).
-    if all(b == blocks[0][0] for b, _ in blocks) and not made_fixed:
+    if all(b == blocks[0][0] for b, _ in blocks):
         out["decoder"] = {"type": "fixed", "num_blocks": config.num_blocks, "block": blocks[0][0]}
     else:
         named: dict[str, dict] = {}

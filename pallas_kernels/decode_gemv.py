@@ -51,21 +51,23 @@ MiB = 2**20
 # whose matmuls XLA streams through its fusions and tensor-core GEMMs. The kernels pay for latency (a kernel's
 # start and tail, a few µs) that small matrices cannot hide, while a large matrix streams long enough for XLA to
 # reach the bandwidth, which the kernels, built to cut latency, do not. Each limit sits just above the largest
-# weight at which the kernel did not lose. Measured with ``scripts/bench_decode_mlp.py --gemv-max-weight-mib``
-# (the kernel forced against XLA, layers chained, µs per layer; H200, 2026-11-29):
+# weight measured below the op's first loss (both of the kernel's timings above XLA's). Measured with
+# ``scripts/bench_decode_mlp.py --gemv-max-weight-mib`` (the kernel forced against XLA, layers chained, µs per
+# layer; H200, 2026-11-29):
 # - norm + Q/K/V (Q [h, h], K and V [h/4, h]; ``--sections qkv``): one row ties or wins up to h = 1536 (7.1 MB),
 #   loses from 1792 (9.6 MB: 7.4-7.6 against 6.4-6.7; 12.6 MB: 10.9-11.1 against 7.7-8.8); two rows win at
 #   1280 (4.9 MB), lose from 1536 (7.1 MB: 8.0-8.1 against 6.3-7.3).
 # - norm + gate/up + product at one row (the down projection in XLA): wins up to [2560 -> 6912] (70.8 MB: 36.9-37.3
 #   against 38.0), loses at [3072 -> 8192] (100.7 MB: 47.5-47.7 against 46.3). At two rows the MLP kernels took
 #   18.7 µs per layer against XLA's 16.7 at the 0.5B geometry.
-# - down + residual (gate/up in XLA): one row wins up to 35.4 MB (35.4-35.6 against 37.5), then ties or loses (50.3
-#   MB: 46.6-47.0 against 46.3); two rows win at 12.6 MB (18.7 against 19.6), lose at 23.1 MB (28.5-28.8 against
-#   26.6).
+# - down + residual (gate/up in XLA): one row wins up to 35.4 MB (35.4-35.6 against 37.5), loses at 50.3 MB
+#   (46.6-47.0 against 46.3; it won again at 90.2 MB); two rows win at 12.6 MB (18.7 against 19.6), lose at 23.1 MB
+#   (28.5-28.8 against 26.6).
 # The 15B geometry's calls (42-294 MB) all run XLA; there every kernel had cost up to 21% of the step
 # (superapriel-15b-shaped all-attention, context 1024, ms per step with every kernel / none: B=1 9.145 / 8.044, B=2
-# 10.097 / 8.003). Above two rows (one for gate/up) the kernels lose at every size: each row adds a product per
-# weight element and its accumulators (at 4 rows the Q/K/V kernel took the 0.5B step from 1.15 to 1.51 ms).
+# 10.097 / 8.003). Above two rows (one for gate/up) the kernels lost where measured (the 0.5B geometry): each row
+# adds a product per weight element and its accumulators (at 4 rows the Q/K/V kernel took the 0.5B step from 1.15
+# to 1.51 ms).
 KERNEL_MAX_WEIGHT_BYTES = {
     "norm_projections": {1: 7 * MiB, 2: 5 * MiB},
     "norm_gated_mlp": {1: 68 * MiB},

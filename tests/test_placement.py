@@ -39,30 +39,8 @@ def test_bad_placements(config, spec, message):
         resolve_placement(config, spec, {"main": {"5": "attention"}})
 
 
-def test_fixed_layer_takes_its_type_or_its_block_name(config):
-    # Layer 3 is the fixed sliding-window attention block 'swa'; a conversion that leaves a supernet layer one
-    # mixer names its block after that mixer, so placements written for the supernet keep resolving.
-    assert resolve_placement(config, [None, None, None, "swa", None, "gdn"])[-1] == "gdn"
-    assert resolve_placement(config, {"3": "swa", "0": "attention", "5": "gdn"})[-1] == "gdn"
-    assert resolve_placement(config, {"0": "attn", "5": "gdn"})[-1] == "gdn"  # aliases of the type, as in lists
-    with pytest.raises(PlacementError, match=r"layer 3 is a fixed attention layer; .* 'gdn' \(a fixed layer takes "
-                       r"its type 'attention' or its block name 'swa'\)"):
-        resolve_placement(config, {"3": "gdn", "5": "gdn"})
-
-
 def test_malformed_placements_file_is_named(tmp_path):
     path = tmp_path / "placements.json"
     path.write_text("{main: 1}")
     with pytest.raises(PlacementError, match=f"{path}: not valid JSON"):
         load_placements(tmp_path)
-
-
-def test_fixed_layer_takes_the_name_of_a_numbered_block():
-    # Layers left with the same mixer but otherwise different get blocks 'NAME', 'NAME_2'... (convert/thinning.py).
-    data = tiny_config()
-    data["decoder"]["blocks"]["sliding_window_2"] = data["decoder"]["blocks"].pop("swa")
-    data["decoder"]["pattern"][3] = "sliding_window_2"
-    config = parse_config(data)
-    assert resolve_placement(config, {"3": "sliding_window", "5": "gdn"})[-1] == "gdn"
-    with pytest.raises(PlacementError, match="layer 3 is a fixed attention layer"):
-        resolve_placement(config, {"3": "sliding", "5": "gdn"})

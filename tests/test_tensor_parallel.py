@@ -171,7 +171,7 @@ def test_command_lines_take_tensor_parallel(tmp_path, capsys):
     tokens = [r["token_ids"] for r in json.loads(capsys.readouterr().out)]
     np.testing.assert_array_equal(tokens, case.greedy_ids["mixed"])
     assert generate([str(tmp_path / "tp2"), *argv]) == 2  # converted for two devices, loaded on one
-    assert "converted for --tensor-parallel=2" in capsys.readouterr().err  # the CLI names its flag
+    assert "converted for tensor_parallel=2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case_name", golden_cases())

@@ -192,12 +192,14 @@ _KWARG_FLAGS = {"enable_prefix_caching": "--prefix-caching", "kv_connector": "--
 
 
 def with_flag_names(message: str) -> str:
-    """``message`` (an engine error naming ``LLM`` keyword arguments, e.g. "max_chunk=4 exceeds
-    max_num_batched_tokens=2") with each of ``engine_kwargs``' names written as its flag, for a command line's
-    user."""
-    for name in _ENGINE_KWARGS:  # whole names only: no match inside a longer identifier or flag
+    """``message`` (an engine settings error, ``CacheConfigError``, naming ``LLM`` keyword arguments, e.g.
+    "max_chunk=4 exceeds max_num_batched_tokens=2") with each of ``engine_kwargs``' names written as its flag, for a
+    command line's user. Only for those errors: others name a checkpoint's own fields (a tensor's dtype)."""
+    message = message.replace("enable_prefix_caching=True", "--prefix-caching")
+    message = message.replace("enable_prefix_caching=False", "--no-prefix-caching")
+    for name in _ENGINE_KWARGS:  # whole names only: not inside a longer identifier, a path or a flag
         flag = _KWARG_FLAGS.get(name, "--" + name.replace("_", "-"))
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, message)
+        message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?![\w./])", flag, message)
     return message
 
 

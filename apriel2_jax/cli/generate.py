@@ -151,11 +151,10 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
         if first.lstrip().startswith("{"):  # meant as JSONL, most likely: a broken line must not become a prompt
             try:
                 json.loads(first)
-                problem = "is JSON but not an object"
             except json.JSONDecodeError as err:
-                problem = f"is not valid JSON ({err.msg}, column {err.colno})"
-            raise UsageError(f"--prompts-file {path}, line {first_n}: starts with '{{' but {problem}; write JSONL "
-                             "lines {\"prompt\": TEXT or [ids]} (also for a text prompt that starts with '{')")
+                raise UsageError(f"--prompts-file {path}, line {first_n}: starts with '{{' but is not valid JSON "
+                                 f"({err.msg}, column {err.colno}); write JSONL lines {{\"prompt\": TEXT or [ids]}} "
+                                 "(also for a text prompt that starts with '{')") from None
         return [("text", line) for _, line in numbered]
     prompts: list[tuple[str, object]] = []
     for n, line in numbered:
@@ -422,8 +421,12 @@ def _run(args) -> int:
         raise
     except SamplingError as err:  # named as its flag, which has the field's name
         raise UsageError(f"--{err.field.replace('_', '-')}: got {err.value!r}, expected {err.expected}") from None
-    except errors as err:  # TokenizerNotFound is a FileNotFoundError
+    except CacheConfigError as err:  # engine settings: named as their flags
         raise UsageError(with_flag_names(str(err))) from None
+    except errors as err:  # TokenizerNotFound is a FileNotFoundError
+        raise UsageError(str(err)) from None
+    except BrokenPipeError:  # stdout closed early (e.g. | head): not a usage error
+        raise
     except OSError as err:  # the compilation cache's or the connector's directory, a checkpoint file
         where = "--compilation-cache: " if "compilation cache" in str(err) and args.compilation_cache else ""
         raise UsageError(f"{where}{err}") from None

@@ -35,9 +35,11 @@ def _port(value: str) -> int:
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to every address of ``host`` at ``port``, as asyncio's create_server would bind them (uvicorn
-    serves on them). Binding before the model loads makes a busy port or an unknown host fail in a second rather
-    than after loading and compiling the model; holding the sockets until uvicorn serves on them leaves no window
-    in which another process could take the port. Raises OSError naming host and port."""
+    serves on them), and listening: binding before the model loads makes a busy port or an unknown host fail in a
+    second rather than after loading and compiling the model, and a listening socket keeps the port (another
+    SO_REUSEADDR socket could bind a socket that only bound it; clients that connect while the model loads wait).
+    Address families this host cannot open (IPv6 off) are skipped, as asyncio does; none bound is an error.
+    Raises OSError naming host and port."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
@@ -49,7 +51,10 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             address = (address[0], port, *address[2:])  # after --port 0 bound one: the same port for the others
             if (family, address) in bound:  # getaddrinfo may list an address once per protocol
                 continue
-            sock = socket.socket(family, type_, proto)
+            try:
+                sock = socket.socket(family, type_, proto)
+            except OSError:  # e.g. IPv6 unsupported by the kernel
+                continue
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server rebinds at once
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
@@ -57,12 +62,16 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, True)
             try:
                 sock.bind(address)
+                sock.listen(socket.SOMAXCONN)  # uvicorn's create_server listens again (harmless)
             except OSError as err:
                 raise OSError(f"cannot listen on {_url(host, port)} (--host {host}, --port {port}): "
                               f"{err.strerror or err}") from None
             bound.add((family, address))
             if port == 0:  # the OS picked a free port: the host's other addresses take the same one
                 port = sock.getsockname()[1]
+        if not sockets:
+            raise OSError(f"cannot listen on {_url(host, port)} (--host {host}): no address family of it can be "
+                          "opened here")
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -156,7 +165,8 @@ def main(argv=None) -> int:
         # OSError: a missing file, or the compilation cache's directory (named in the message)
         for sock in sockets:
             sock.close()
-        print(f"{PROG}: error: {with_flag_names(str(err))}", file=sys.stderr)
+        message = with_flag_names(str(err)) if isinstance(err, CacheConfigError) else str(err)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
 
     port = sockets[0].getsockname()[1]  # the one bound (--port 0 asks the OS for a free one)
@@ -167,10 +177,11 @@ def main(argv=None) -> int:
         server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
+    except SystemExit as exit_:  # uvicorn exits 3 when the app's start-up fails (it logged why)
+        return exit_.code if isinstance(exit_.code, int) else 1
     finally:
         for sock in sockets:
             sock.close()
-    # Not started: the app's start-up failed (uvicorn logged why).
     return 0 if server.started else 1
 
 

@@ -215,6 +215,17 @@ def test_engine_errors_name_flags_not_keyword_arguments(capsys):
     assert "max_chunk" not in err
 
 
+def test_flag_names_replace_whole_keyword_arguments_only():
+    from apriel2_jax.cli.engine_args import with_flag_names
+
+    assert with_flag_names("max_chunk=16 exceeds max_num_batched_tokens=8; lower max_chunk") == (
+        "--max-chunk=16 exceeds --max-num-batched-tokens=8; lower --max-chunk")
+    assert with_flag_names("kv_connector needs enable_prefix_caching=True") == "--kv-connector needs --prefix-caching"
+    # Not inside longer names, attribute paths or file paths.
+    assert with_flag_names("a.dtype, /ckpt/page_size/x, page_sizes, my_max_chunk") == (
+        "a.dtype, /ckpt/page_size/x, page_sizes, my_max_chunk")
+
+
 def test_unusable_directories_are_usage_errors(capsys, tmp_path):
     a_file = tmp_path / "afile"
     a_file.write_text("x")

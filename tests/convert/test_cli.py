@@ -75,7 +75,7 @@ def test_thinning_keeps_the_placements_mixers_and_their_outputs(tmp_path):
     assert config["decoder"]["pattern"] == ["kda", "gdn", "kda", "gdn"]
     assert all(b["mixer"]["type"] in ("kda", "gdn") for b in config["decoder"]["blocks"].values())
     # No stochastic layer is left, but the placement's name still selects the thinned model.
-    assert load_placements(tmp_path / "thin") == {"every2_kda": {"0": "kda", "1": "gdn", "2": "kda", "3": "gdn"}}
+    assert load_placements(tmp_path / "thin") == {"every2_kda": {}}
     supernet, thinned = load_model(source, "float32"), load_model(tmp_path / "thin", "float32")
     placement = resolve_placement(supernet.config, "every2_kda", case.placements)
     assert resolve_placement(thinned.config, "every2_kda", load_placements(tmp_path / "thin")) == (None,) * 4
@@ -121,10 +121,8 @@ def test_thinned_checkpoint_selects_each_kept_placement_by_name(tmp_path):
             assert active_mixer(thinned.config, placement, layer) == active_mixer(supernet.config, original, layer)
         np.testing.assert_array_equal(_forward(thinned, _ids(case), placement),
                                       _forward(supernet, _ids(case), original))
-    # The layer left with one mixer takes that mixer's name, as it did on the supernet.
-    all_swa = resolve_placement(thinned.config, "all_swa", named)
-    assert resolve_placement(thinned.config, ["sliding_window"] * 3) == all_swa
-    assert resolve_placement(thinned.config, {"0": "swa", "1": "attention", "2": "gdn"}) == (None, "attention", "gdn")
+    # Written over the converted model's stochastic layers: layer 0 is a fixed sliding-window layer there.
+    assert all("0" not in spec and sorted(spec) == ["1", "2"] for spec in named.values()), named
 
 
 def test_sharded_source_with_untied_head(tmp_path):
@@ -200,7 +198,7 @@ def test_placement_errors_and_existing_target(tmp_path, capsys):
     assert "exists; pass --force" in capsys.readouterr().err
     _convert(source, out, "--force", "--placement", "main")
     assert sorted(os.listdir(tmp_path)) == ["out"]  # the replaced conversion is gone, nothing half-done is left
-    assert load_placements(out) == {"main": {"0": "attention", "1": "attention", "2": "attention"}}
+    assert load_placements(out) == {"main": {}}  # every layer fixed: the name still selects the (only) mixers
     (tmp_path / "empty").mkdir()
     assert main([source, str(tmp_path / "empty")]) == 2
     _convert(source, tmp_path / "empty", "--force")  # an empty directory has nothing to lose
@@ -246,6 +244,16 @@ def test_target_that_could_lose_data_is_refused_even_with_force(problem, tmp_pat
     assert "apriel2-convert: error: DST" in err or "apriel2-convert: error: the parent" in err, err
     assert all(n in err for n in needles), err
     assert _tree(tmp_path) == before
+
+
+def test_the_current_directory_is_never_replaced(tmp_path, monkeypatch, capsys):
+    config = tiny_config()
+    write_checkpoint(str(tmp_path / "src"), config, random_weights(config))
+    (tmp_path / "here").mkdir()  # empty: --force could replace it, were it not the shell's directory
+    monkeypatch.chdir(tmp_path / "here")
+    assert main([str(tmp_path / "src"), ".", "--force"]) == 2
+    assert "is the current directory or holds it" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "here") == [] and sorted(os.listdir(tmp_path)) == ["here", "src"]
 
 
 def test_already_converted_source_and_bad_placements_file(tmp_path, capsys):

@@ -13,7 +13,7 @@ from contextlib import redirect_stderr
 import httpx
 import pytest
 
-from apriel2_jax.cli.serve import main
+from apriel2_jax.cli.serve import bind_sockets, main
 from tests.server.conftest import CASE, wait_until
 
 
@@ -109,3 +109,20 @@ def test_console_script_serves(text_ckpt):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_bound_port_is_held_while_the_model_loads():
+    """The sockets listen as soon as they are bound: another server using SO_REUSEADDR (as uvicorn and asyncio do)
+    cannot take the port in the minutes the model takes to load."""
+    sockets = bind_sockets("127.0.0.1", 0)
+    try:
+        port = sockets[0].getsockname()[1]
+        other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with pytest.raises(OSError, match=f"--port {port}"):
+            bind_sockets("127.0.0.1", port)
+    finally:
+        for sock in sockets:
+            sock.close()
