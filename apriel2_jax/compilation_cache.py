@@ -41,7 +41,7 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str 
     try:
         os.makedirs(chosen, exist_ok=True)
     except OSError as error:
-        fix = (f"give a writable directory, or 'off'" if given == "directory" else
+        fix = ("give a writable directory, or 'off'" if given == "directory" else
                f"set {ENV} to a writable directory, or to 'off'")  # where it came from is what to change
         raise OSError(f"cannot create the compilation cache directory {chosen!r} ({error.strerror}); {fix}") from error
     # Every engine step is worth keeping (even a one-second compile is much of a warm start-up); the many tiny

@@ -227,7 +227,7 @@ class LLM:
                 raise CacheConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len > self.config.max_position_embeddings:  # allowed: RoPE computes any position
             self.log(f"warning: max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                     f"{self.config.max_position_embeddings} (config.json): positions past it were not trained")
+                     f"{self.config.max_position_embeddings} (its config): positions past it were not trained")
         if max_chunk > max_num_batched_tokens:
             raise CacheConfigError(
                 f"max_chunk={max_chunk} exceeds max_num_batched_tokens={max_num_batched_tokens}: one prefill step "
