@@ -13,7 +13,7 @@
 * ``DST`` is a new directory in an existing one or, with ``--force``, an empty directory or an earlier conversion
   (recognised by its manifest): never the source, a directory holding it or inside it, a file or another directory.
 * The converted checkpoint keeps every named placement whose mixers it holds (``placements.json``, written over
-  the source's layers), so ``--placement NAME`` selects it there as on the source.
+  its layers that are still stochastic), so ``--placement NAME`` selects the same mixers there as on the source.
 
 Errors in the command or its inputs exit with status 2; an internal failure (a bug) exits with status 1.
 """
