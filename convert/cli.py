@@ -92,11 +92,10 @@ def _inside(path: str, directory: str) -> bool:
 
 def _earlier_conversion(target: str) -> str | None:
     """None if ``target`` is an earlier conversion (the only directory --force replaces), else why it is not."""
-    path = os.path.join(target, MANIFEST)
-    if not os.path.isfile(path):
+    if not is_converted(target):
         return f"it has no {MANIFEST}"
     try:
-        with open(path) as f:
+        with open(os.path.join(target, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as err:
         return f"its {MANIFEST} is unreadable ({err})"

@@ -211,6 +211,16 @@ def main(argv=None) -> int:
             return x
         return step
 
+    def timed(label, path, layers, rows, mbytes, weights="distinct"):
+        """µs per layer of ``layers`` chained through ``path``; a row of the table, printed as it comes."""
+        # A fresh input per timing: time_looped donates its carry.
+        x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
+        seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
+        us = seconds / len(layers) * 1e6
+        rows_out.append(dict(device=device, rows=rows, path=label, weights=weights, us_per_layer=round(us, 2),
+                             tb_s=round(mbytes / us, 2), pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
+        print(f"rows {rows} {label}: {us:.2f} µs per layer", flush=True)
+
     if "mlp" in args.sections:
         scheduled = {rows: decode_mlp.schedule(rows, hidden, inter, jax.devices()[0].core_count) is not None
                      for rows in args.rows}
@@ -235,14 +245,7 @@ def main(argv=None) -> int:
             for name, path in paths + paths[:2]:
                 if name == "kernel" and not scheduled[rows]:
                     continue
-                x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-                seconds, _ = time_looped(chain(path), [layers], x, steps=20, repeats=5)
-                us = seconds / args.layers * 1e6
-                rows_out.append(dict(device=device, rows=rows, path=name,
-                                     weights="same" if args.same_weights else "distinct", us_per_layer=round(us, 2),
-                                     tb_s=round(mbytes / us, 2),
-                                     pct_copy_bw=round(100 * mbytes / us * 1e12 / bandwidth)))
-                print(f"rows {rows} {name}: {us:.2f} µs per layer", flush=True)
+                timed(name, path, layers, rows, mbytes, "same" if args.same_weights else "distinct")
     if "qkv" in args.sections:
         qkv_layers = [qkv_weights(1000 + seed, hidden) for seed in range(args.layers)]
         qkv_mbytes = sum(w.size * 2 for w in qkv_layers[0][1:]) / 1e6
@@ -253,20 +256,13 @@ def main(argv=None) -> int:
             x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
             want = jax.jit(xla_qkv)(x, *qkv_layers[0]).astype(F32)
             got = jax.jit(dispatched_qkv)(x, *qkv_layers[0]).astype(F32)
-            del x  # time_looped donates its carry: each timing below gets a fresh one
             err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
             if err > 2 ** -6 * scale:
                 print(f"rows {rows} qkv: dispatched differs from xla by {err:.4f} (tolerance "
                       f"{2 ** -6 * scale:.4f})", file=sys.stderr)
                 return 1
             for name, path in paths + paths:
-                x = 0.1 * jax.random.normal(jax.random.PRNGKey(rows), (rows, hidden)).astype(jnp.bfloat16)
-                seconds, _ = time_looped(chain(path), [qkv_layers], x, steps=20, repeats=5)
-                us = seconds / args.layers * 1e6
-                rows_out.append(dict(device=device, rows=rows, path=f"qkv {name}",
-                                     weights="distinct", us_per_layer=round(us, 2), tb_s=round(qkv_mbytes / us, 2),
-                                     pct_copy_bw=round(100 * qkv_mbytes / us * 1e12 / bandwidth)))
-                print(f"rows {rows} qkv {name}: {us:.2f} µs per layer", flush=True)
+                timed(f"qkv {name}", path, qkv_layers, rows, qkv_mbytes)
     if args.profile and "mlp" in args.sections:
         profile_rows = [r for rows in args.rows if scheduled[rows] for r in phases(rows, layers[0][:4], hidden)]
         print_rows(profile_rows)

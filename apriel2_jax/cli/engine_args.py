@@ -183,12 +183,17 @@ def kv_connector_store(args):
                          f"({err.strerror or err})") from None
 
 
-# The ``LLM`` keyword arguments of ``engine_kwargs``, and the flags of those not named as the keyword with dashes.
-_ENGINE_KWARGS = ("dtype", "tensor_parallel", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_chunk",
-                  "max_prefill_rows", "decode_steps", "chain_decode", "chain_prefill", "page_size",
-                  "cache_memory_fraction", "enable_prefix_caching", "snapshot_memory_fraction", "snapshot_interval",
-                  "warm_up", "compilation_cache", "kv_connector", "kv_load_timeout")
-_KWARG_FLAGS = {"enable_prefix_caching": "--prefix-caching", "kv_connector": "--kv-connector"}
+# ``LLM`` keyword argument -> the argparse destination of its flag (``--`` + the destination with dashes): what
+# ``engine_kwargs`` passes, and what ``with_flag_names`` writes as flags.
+_ENGINE_FLAGS = {
+    "dtype": "dtype", "tensor_parallel": "tensor_parallel", "max_num_seqs": "max_num_seqs",
+    "max_model_len": "max_model_len", "max_num_batched_tokens": "max_num_batched_tokens", "max_chunk": "max_chunk",
+    "max_prefill_rows": "max_prefill_rows", "decode_steps": "decode_steps", "chain_decode": "chain_decode",
+    "chain_prefill": "chain_prefill", "page_size": "page_size", "cache_memory_fraction": "cache_memory_fraction",
+    "enable_prefix_caching": "prefix_caching", "snapshot_memory_fraction": "snapshot_memory_fraction",
+    "snapshot_interval": "snapshot_interval", "warm_up": "warm_up", "compilation_cache": "compilation_cache",
+    "kv_connector": "kv_connector", "kv_load_timeout": "kv_load_timeout",
+}
 
 
 def with_flag_names(message: str) -> str:
@@ -197,32 +202,13 @@ def with_flag_names(message: str) -> str:
     command line's user. Only for those errors: others name a checkpoint's own fields (a tensor's dtype)."""
     message = message.replace("enable_prefix_caching=True", "--prefix-caching")
     message = message.replace("enable_prefix_caching=False", "--no-prefix-caching")
-    for name in _ENGINE_KWARGS:  # whole names only: not inside a longer identifier, a path or a flag
-        flag = _KWARG_FLAGS.get(name, "--" + name.replace("_", "-"))
-        message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?![\w./])", flag, message)
+    for name, dest in _ENGINE_FLAGS.items():  # whole names only: not inside a longer identifier, a path or a flag
+        message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?![\w./])", "--" + dest.replace("_", "-"), message)
     return message
 
 
 def engine_kwargs(args) -> dict:
     """``LLM`` keyword arguments of the model and engine flags (placement, tokenizer and seed excepted)."""
-    return dict(
-        dtype=args.dtype,
-        tensor_parallel=args.tensor_parallel,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_chunk=args.max_chunk,
-        max_prefill_rows=args.max_prefill_rows,
-        decode_steps=args.decode_steps,
-        chain_decode=args.chain_decode,
-        chain_prefill=args.chain_prefill,
-        page_size=args.page_size,
-        cache_memory_fraction=args.cache_memory_fraction,
-        enable_prefix_caching=args.prefix_caching,
-        snapshot_memory_fraction=args.snapshot_memory_fraction,
-        snapshot_interval=args.snapshot_interval,
-        warm_up=args.warm_up,
-        compilation_cache=args.compilation_cache,
-        kv_connector=kv_connector_store(args),
-        kv_load_timeout=args.kv_load_timeout,
-    )
+    kwargs = {name: getattr(args, dest) for name, dest in _ENGINE_FLAGS.items()}
+    kwargs["kv_connector"] = kv_connector_store(args)  # the flags describe it; the engine takes the store
+    return kwargs

@@ -16,7 +16,8 @@ import os
 import socket
 import sys
 
-from .engine_args import add_engine_arguments, add_model_arguments, engine_kwargs, parse_placement, with_flag_names
+from .engine_args import (add_engine_arguments, add_model_arguments, engine_kwargs, non_negative_int, parse_placement,
+                          with_flag_names)
 
 PROG = "apriel2-serve"
 
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(default 8000)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send (default: the checkpoint directory's name)")
-    g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+    g.add_argument("--max-queued-requests", type=non_negative_int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
                    help="requests that may wait beyond the running batch (--max-num-seqs); more are answered 429 "
                         f"(default {DEFAULT_MAX_QUEUED_REQUESTS})")
     g.add_argument("--seed", type=int, default=0, help="engine seed: unseeded requests derive theirs from it")
@@ -116,9 +117,6 @@ def main(argv=None) -> int:
     directory = args.checkpoint_dir
     if not os.path.isdir(directory):
         print(f"{PROG}: error: checkpoint directory {directory} does not exist", file=sys.stderr)
-        return 2
-    if args.max_queued_requests < 0:
-        print(f"{PROG}: error: --max-queued-requests must be >= 0", file=sys.stderr)
         return 2
 
     import jax
