@@ -204,8 +204,6 @@ def serve_placement(args, raw: dict, named: dict, name: str | None) -> list[dict
     placement = resolve_placement(supernet, name, named)
     tp = args.tensor_parallel if args.tensor_parallel > 1 else None
     config, model, params, _ = random_model(args, raw, placement, name or "default", tp)
-    if args.dtype == "float32":
-        jax.config.update("jax_default_matmul_precision", "highest")
     kwargs = {k: v for k, v in dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
         decode_steps=args.decode_steps, cache_memory_fraction=args.cache_memory_fraction).items() if v is not None}

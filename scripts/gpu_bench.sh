@@ -106,7 +106,7 @@ elif [ "$part" = tp_parity ]; then
   # (split caches, prefix caching, chained dispatches); then one line per run and the logs in one archive.
   tps=${TPS:-${TP:-1}}
   goldens=${APRIEL2_GOLDENS:-.goldens}
-  export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 XLA_PYTHON_CLIENT_PREALLOCATE=false
   logs="$out/tp_parity_logs"; mkdir -p "$logs"
   for tp in $tps; do
     for case in "$goldens"/*/; do
@@ -146,7 +146,7 @@ elif [ "$part" = prefix ]; then
   # Prefix caching on the GPU: the golden tests (outputs identical with and without it on every case and
   # placement, float32, Pallas kernels; carry .goldens), then 64 prompts sharing a 4K prefix on the 0.5B.
   configs=${CONFIGS:-../shared/configs}
-  step prefix_tests 240 env APRIEL2_GOLDENS="${APRIEL2_GOLDENS:-.goldens}" JAX_DEFAULT_MATMUL_PRECISION=highest \
+  step prefix_tests 240 env APRIEL2_GOLDENS="${APRIEL2_GOLDENS:-.goldens}" \
     python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefix_cache.py
   step prefix_05b 330 python3 scripts/bench_generate.py $configs/apriel2-0.5b-shaped --shared-prefix 4096 \
     --suffix-len 256 --requests 64 --placement ${PLACEMENTS:-all-attention every2-kda a12-g1-k11 pure-gdn} \

@@ -8,7 +8,7 @@ set -u
 out=${1:-/tmp/gpu_validate}
 limit=${2:-400}
 mkdir -p "$out"
-export APRIEL2_GOLDENS=${APRIEL2_GOLDENS:-.goldens} JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1
+export APRIEL2_GOLDENS=${APRIEL2_GOLDENS:-.goldens} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.04 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -c "import pallas_kernels, jax; print('kernels registered on', jax.devices()[0].device_kind)"
 pids=()

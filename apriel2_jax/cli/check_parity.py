@@ -40,9 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
     primary = not joined or is_primary()
 
-    if args.dtype == "float32":
-        # On GPUs XLA would otherwise run fp32 matmuls in TF32, which is far outside the 1e-3 budget.
-        jax.config.update("jax_default_matmul_precision", "highest")
     from ..config import ConfigError
     from ..parity import format_table, run_checks
     from ..placement import PlacementError

@@ -337,8 +337,6 @@ def _run(args) -> int:
         raise UsageError(f"checkpoint directory {directory} does not exist")
     prompts = collect_prompts(args.sources)
 
-    import jax
-
     from ..config import ConfigError, load_config
     from ..distributed import is_primary
     from ..placement import PlacementError, load_placements, resolve_placement
@@ -411,10 +409,7 @@ def _run(args) -> int:
 
         # Several processes run this same command, each on its own devices of one mesh; process 0 writes.
         primary = not join_processes(args) or is_primary()
-        # float32: on GPUs XLA would otherwise run fp32 matmuls in TF32. Scoped, so that in-process callers keep
-        # their own setting; every step is compiled inside this block (warm-up or first use).
-        precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
-        with precision, (contextlib.nullcontext(sys.stdout) if primary else open(os.devnull, "w")) as stdout:
+        with contextlib.nullcontext(sys.stdout) if primary else open(os.devnull, "w") as stdout:
             outputs, wall, llm = _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids,
                                            params, stdout, quiet=not primary)
     except UsageError:

@@ -119,7 +119,6 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: checkpoint directory {directory} does not exist", file=sys.stderr)
         return 2
 
-    import jax
     import uvicorn
 
     from ..config import ConfigError, load_config
@@ -151,10 +150,6 @@ def main(argv=None) -> int:
         except OSError as err:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return 2
-        if args.dtype == "float32":
-            # On GPUs XLA would otherwise run float32 matmuls in TF32; this process only serves, so set it globally
-            # (the engine thread compiles steps too).
-            jax.config.update("jax_default_matmul_precision", "highest")
         llm = LLM(directory, placement=placement, placements=named or None, seed=args.seed, tokenizer=tokenizer,
                   **kwargs)
         name = args.served_model_name or os.path.basename(os.path.normpath(directory))

@@ -13,6 +13,7 @@ from flax import nnx
 
 from ..dispatch import kernel
 from ..ops import norms
+from ..ops.precision import einsum
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> jax.Array:
@@ -28,7 +29,7 @@ class Linear(nnx.Module):
         self.reduce_axis: str | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = einsum("...i,oi->...o", x, self.weight[...])
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:

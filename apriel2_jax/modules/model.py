@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import Apriel2Config, BlockConfig
+from ..ops.precision import einsum
 from ..placement import Placement
 from .attention import Attention
 from .layers import Linear, make_norm
@@ -156,7 +157,7 @@ class Apriel2ForCausalLM(nnx.Module):
         if self.lm_head is not None:
             logits = self.lm_head(x)
         else:
-            logits = jnp.einsum("...d,vd->...v", x, self.model.embed_tokens.weight[...])
+            logits = einsum("...d,vd->...v", x, self.model.embed_tokens.weight[...])
         if self.vocab_axis is None:
             return logits
         logits = jax.lax.all_gather(logits, self.vocab_axis, axis=logits.ndim - 1, tiled=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .precision import einsum
+
 F32 = jnp.float32
 
 
@@ -31,7 +33,7 @@ def attention(
     groups = k.shape[2]
     rep = heads // groups
     qg = q.reshape(batch, length, groups, rep, head_dim)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k) * (head_dim**-0.5)
+    scores = einsum("btgrd,bsgd->bgrts", qg, k) * (head_dim**-0.5)
     qp = q_positions[:, :, None]
     kp = kv_positions[:, None, :]
     mask = kp <= qp
@@ -41,5 +43,5 @@ def attention(
         mask = mask & kv_valid[:, None, :]
     scores = jnp.where(mask[:, None, None], scores.astype(F32), jnp.finfo(F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+    out = einsum("bgrts,bsgd->btgrd", probs, v)
     return out.reshape(batch, length, heads, head_dim)

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 
 from .conv import causal_conv1d_decode_slots
 from .norms import activation, rms_norm
+from .precision import einsum
 
 
 def _project(x: jax.Array, weight: jax.Array) -> jax.Array:
     """``Linear`` without bias: weight in the checkpoint's [out, in] layout."""
-    return jnp.einsum("...i,oi->...o", x, weight)
+    return einsum("...i,oi->...o", x, weight)
 
 
 def norm_projections(x: jax.Array, norm_weight: jax.Array, eps: float, weights: tuple[jax.Array, ...],

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from .conv import causal_conv1d_decode_slots
 from .norms import F32, activation, gated_rms_norm, l2_normalize, softplus
+from .precision import einsum
 from .slots import slot_rows, varlen_rows
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -326,7 +327,7 @@ def kda_decode_gated_slots(
     heads, rank = A_log.shape[0], f_b_weight.shape[1]
     f_a = _columns(proj, f_a_offset, rank, "f_a")
     g_a = _columns(proj, g_a_offset, rank, "g_a")
-    g_raw, gate = (jnp.einsum("bi,oi->bo", x, w) for x, w in ((f_a, f_b_weight), (g_a, g_b_weight)))
+    g_raw, gate = (einsum("bi,oi->bo", x, w) for x, w in ((f_a, f_b_weight), (g_a, g_b_weight)))
     shape = (q.shape[0], heads, q.shape[1] // heads)
     q, k, v, g_raw, gate = (t.reshape(shape) for t in (q, k, v, g_raw, gate))
     beta = jax.nn.sigmoid(_columns(proj, beta_offset, heads, "beta").astype(F32))
