@@ -34,6 +34,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _ein(spec: str, *operands: jax.Array) -> jax.Array:
+    # The recurrence's products, in float32 at every model dtype (its operands are cast to float32 first); the
+    # model's projections use ``precision.einsum``, which keeps a bfloat16 model's dots on the default.
     return jnp.einsum(spec, *operands, precision=HIGHEST)
 
 
