@@ -234,7 +234,13 @@ MixerConfig = Union[AttentionConfig, GDNConfig, KDAConfig, MambaConfig, Stochast
 # --------------------------------------------------------------------------------------------------------------
 # MLP, norms, blocks
 
-_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+# The MLP's activations: transformers' ACT2FN names without parameters (``prelu`` and ``xielu`` carry weights the
+# checkpoint format has no keys for); ``ops.norms`` computes each.
+_ACTIVATIONS = (
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "gelu_python",
+    "gelu_python_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "quick_gelu", "relu", "relu2", "relu6",
+    "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,8 +69,13 @@ def _checkpointer():
 def write_group(directory: str, group: str, tensors: dict[str, np.ndarray]) -> None:
     """One group's tensors as an orbax checkpoint under ``directory/params/group``."""
     checkpointer = _checkpointer()
-    checkpointer.save(os.path.abspath(os.path.join(directory, PARAMS, group)), _nested(tensors))
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(os.path.abspath(os.path.join(directory, PARAMS, group)), _nested(tensors))
+    finally:
+        # Also when interrupted: orbax writes on background threads, which would otherwise go on writing into a
+        # directory the caller is about to delete.
+        checkpointer.wait_until_finished()
+        checkpointer.close()
 
 
 def read_group(directory: str, group: str, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:

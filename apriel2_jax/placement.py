@@ -48,6 +48,15 @@ def _canonical(name: str, layer: int, mixer: StochasticConfig) -> str:
     raise PlacementError(f"layer {layer}: unknown mixer {name!r}; this layer's mixers are {list(mixer.names)}")
 
 
+def _names_fixed_layer(name: str, mixer: LeafMixerConfig) -> bool:
+    """Whether a placement's ``name`` for a fixed layer describes it: its type (or an alias of it), or for a
+    sliding-window attention layer ``sliding_window`` / ``swa``."""
+    canonical = _ALIASES.get(name, name)
+    if canonical == mixer.kind:
+        return True
+    return canonical == "sliding_window" and getattr(mixer, "is_sliding", False)
+
+
 def resolve_placement(
     config: Apriel2Config, spec: PlacementSpec = None, named: Mapping[str, object] | None = None
 ) -> Placement:
@@ -61,7 +70,10 @@ def resolve_placement(
         if named is None or spec not in named:
             known = sorted(named) if named else []
             raise PlacementError(f"unknown placement {spec!r}; known placements: {known}")
-        spec = named[spec]  # type: ignore[assignment]
+        try:
+            return resolve_placement(config, named[spec])  # type: ignore[arg-type]
+        except PlacementError as err:
+            raise PlacementError(f"placement {spec!r} (placements.json): {err}") from None
     resolved: list[str | None] = []
     if spec is None:
         for block in config.blocks:
@@ -83,7 +95,7 @@ def resolve_placement(
                     raise PlacementError(f"placement does not name a mixer for stochastic layer {i}")
                 resolved.append(_canonical(by_layer[i], i, block.mixer))
             else:
-                if i in by_layer and by_layer[i] != block.mixer.kind:
+                if i in by_layer and not _names_fixed_layer(by_layer[i], block.mixer):
                     raise PlacementError(
                         f"layer {i} is a fixed {block.mixer.kind} layer; the placement asks for {by_layer[i]!r}"
                     )
@@ -98,7 +110,7 @@ def resolve_placement(
                 raise PlacementError(f"placement gives no mixer for stochastic layer {i}")
             resolved.append(_canonical(name, i, block.mixer))
         else:
-            if name is not None and name != block.mixer.kind and _ALIASES.get(name) != block.mixer.kind:
+            if name is not None and not _names_fixed_layer(name, block.mixer):
                 raise PlacementError(f"layer {i} is a fixed {block.mixer.kind} layer; the placement asks for {name!r}")
             resolved.append(None)
     return tuple(resolved)

@@ -9,7 +9,8 @@
   ``tensor_parallel=N`` restores each device's rows straight from disk. ``--tp 1`` (default) loads at any size.
 * Everything is checked before anything is written (missing, unexpected, mis-shaped or non-float tensors,
   unreadable or truncated files, unknown placements), the output is assembled beside ``DST`` and renamed into
-  place at the end, and a failure removes it: ``DST`` is either complete or untouched.
+  place at the end, and a failure, Ctrl-C or SIGTERM removes it: ``DST`` is either complete or untouched. What a
+  killed run (SIGKILL) leaves beside ``DST`` is removed by the next conversion to ``DST`` on the same host.
 * ``DST`` is a new directory in an existing one or, with ``--force``, an empty directory or an earlier conversion
   (recognised by its manifest): never the source, a directory holding it or inside it, a file or another directory.
 * The converted checkpoint keeps every named placement whose mixers it holds (``placements.json``, written over
@@ -24,7 +25,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -243,7 +247,8 @@ def convert(
     out_placements = _kept_placements(named, config, out_config, chosen, keep)
 
     parent, name = os.path.split(target)
-    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    _remove_stale_staging(parent, name, log)
+    staging = os.path.join(parent, f"{_staging_prefix(name)}{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
@@ -259,6 +264,35 @@ def convert(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _staging_prefix(name: str) -> str:
+    # The host is in the name so that a run never mistakes another machine's live output (a shared filesystem)
+    # for the leftovers of a dead process of its own.
+    return f".{name}.partial-{socket.gethostname()}-"
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale_staging(parent: str, name: str, log) -> None:
+    """Delete the partial outputs of earlier runs on this host that died without cleaning up (SIGKILL, a crash):
+    a process that no longer exists cannot finish them, and nothing else would ever delete them."""
+    prefix = _staging_prefix(name)
+    for entry in sorted(os.listdir(parent)):
+        pid = entry[len(prefix):] if entry.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _process_exists(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        log(f"apriel2-convert: removed {os.path.join(parent, entry)}, the partial output of an earlier run that "
+            f"did not finish")
 
 
 def _replace(target: str, staging: str, old: str, log) -> None:
@@ -396,11 +430,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM (a plain ``kill``, a batch scheduler's time limit), raised where the conversion is so that its
+    cleanup runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse already printed usage and the message (or --help)
         return exit_.code if isinstance(exit_.code, int) else 2
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     try:
         start = time.monotonic()
         convert(args.source, args.target, placements=args.placement, dtype=args.dtype, tp=args.tp,
@@ -414,7 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # convert() already removed its partial output
         print("apriel2-convert: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    except _Terminated:
+        print("apriel2-convert: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     print(f"apriel2-convert: {args.target} written in {time.monotonic() - start:.1f}s", file=sys.stderr)
     return 0
 

@@ -104,7 +104,7 @@ def test_defaults_and_bias_overrides():
         ("decoder.blocks.super.mixer.sampling_strategy", "full_layout", None),
         ("decoder.blocks.super.mixer.mixers.gdn.type", "stochastic", None),
         ("decoder.blocks.super.mixer.mixers", {}, None),
-        ("decoder.blocks.attn.mlp.activation", "swish", None),
+        ("decoder.blocks.attn.mlp.activation", "prelu", None),
         ("decoder.blocks.attn.mlp.intermediate_size", 0, None),
         ("decoder.blocks.attn.mlp.type", "moe", None),
         ("decoder.blocks.attn.normalization.type", "none", None),

@@ -13,12 +13,35 @@ def softplus(x: jax.Array) -> jax.Array:
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
+def _tanh_gelu(x: jax.Array) -> jax.Array:
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+# transformers' ``ACT2FN`` (``transformers/activations.py``) without the activations that take parameters; the
+# MLP's ``activation`` may be any of them (spec §1.3; ``config._ACTIVATIONS`` lists the same names).
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
     "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_python": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_10": lambda x: jnp.clip(jax.nn.gelu(x, approximate=False), -10.0, 10.0),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_python_tanh": _tanh_gelu,
+    "gelu_new": _tanh_gelu,
+    "gelu_accurate": _tanh_gelu,
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + jnp.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "laplace": lambda x: 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / (0.282095 * 1.4142135623730951))),
     "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "relu6": jax.nn.relu6,
+    "hardswish": jax.nn.hard_swish,
+    "sqrtsoftplus": lambda x: jnp.sqrt(softplus(x)),
+    "leaky_relu": lambda x: jax.nn.leaky_relu(x, 0.01),
+    "mish": lambda x: x * jnp.tanh(softplus(x)),
+    "linear": lambda x: x,
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from apriel2_jax.checkpoint import load_model
 from apriel2_jax.engine.llm import LLM
+from apriel2_jax.orbax_checkpoint import is_converted
 from apriel2_jax.parity import load_case
 from apriel2_jax.placement import active_mixer, load_placements, resolve_placement
 from apriel2_jax.safetensors_io import CheckpointError
@@ -285,3 +286,85 @@ def test_exit_status_tells_user_errors_from_internal_ones(tmp_path, monkeypatch,
 def test_console_script_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "convert.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--placement" in proc.stdout and "--tp" in proc.stdout
+
+
+# The child converts with a writer that stops after the first tensor group, as a long conversion would be
+# stopped mid-way, and says so in MARKER.
+_STOPPED_CHILD = """
+import os, sys, time
+import convert.cli
+from apriel2_jax import orbax_checkpoint
+real = orbax_checkpoint.write_group
+def write_group(directory, group, tensors):
+    real(directory, group, tensors)
+    open(sys.argv[3], "w").close()
+    time.sleep(120)
+convert.cli.write_group = write_group
+sys.exit(convert.cli.main([sys.argv[1], sys.argv[2]]))
+"""
+
+
+def test_sigterm_mid_conversion_removes_the_partial_output(tmp_path):
+    import signal
+    import time
+
+    source = _source(tmp_path)
+    marker = tmp_path / "first-group-written"
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_CHILD, source, str(tmp_path / "out"), str(marker)],
+                            stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), proc.communicate(timeout=5)[1] if proc.poll() is not None else "no group written"
+    partial = [e for e in os.listdir(tmp_path) if e.startswith(".out.partial-")]
+    assert len(partial) == 1 and os.listdir(tmp_path / partial[0])  # it was writing there
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "apriel2-convert: terminated" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["first-group-written", "src"]
+
+
+def test_write_group_waits_for_orbax_writers_when_interrupted(tmp_path, monkeypatch):
+    from apriel2_jax import orbax_checkpoint
+
+    calls = []
+
+    class Checkpointer:  # save() interrupted while orbax's writer threads still run
+        def save(self, path, tree):
+            calls.append("save")
+            raise KeyboardInterrupt
+
+        def wait_until_finished(self):
+            calls.append("wait")
+
+        def close(self):
+            calls.append("close")
+
+    monkeypatch.setattr(orbax_checkpoint, "_checkpointer", Checkpointer)
+    with pytest.raises(KeyboardInterrupt):
+        orbax_checkpoint.write_group(str(tmp_path), "group", {"a": np.zeros(2, np.float32)})
+    assert calls == ["save", "wait", "close"]
+
+
+def test_partial_output_of_a_dead_run_is_removed_by_the_next(tmp_path, capsys):
+    import socket
+
+    source = _source(tmp_path)
+    host = socket.gethostname()
+    dead = tmp_path / f".out.partial-{host}-{_dead_pid()}"
+    live = tmp_path / f".out.partial-{host}-{os.getppid()}"  # a running process's: may still be writing
+    other_host = tmp_path / f".out.partial-{host}x-{_dead_pid()}"  # another machine's, on a shared filesystem
+    for d in (dead, live, other_host):
+        os.makedirs(d / "params")
+    _convert(source, tmp_path / "out")
+    assert not dead.exists() and live.exists() and other_host.exists()
+    assert f"removed {dead}, the partial output of an earlier run" in capsys.readouterr().err
+    assert is_converted(tmp_path / "out")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
