@@ -2,12 +2,12 @@
 
 Bodies are validated strictly (``"5"`` is not a number, ``1.0`` is not an integer) so a client's mistake fails at
 once with a 400 naming the field, rather than being coerced into something it did not ask for. Fields of the
-OpenAI API this engine cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``...) are rejected, never
-silently ignored. Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients add their own).
+OpenAI API this engine cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tools, structured output...)
+are rejected, never silently ignored. Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients add their own).
 
 Extensions beyond the OpenAI schema (the names vLLM uses): ``top_k``, ``ignore_eos``, ``stop_token_ids`` and
 ``return_token_ids`` (each choice also carries its generated ``token_ids``, and the response its
-``prompt_token_ids``).
+``prompt_token_ids``; always, for a model without a tokenizer, whose text is empty).
 """
 
 from __future__ import annotations
@@ -121,6 +121,12 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused unless they ask for nothing (prepare_chat): the output is never parsed into tool calls or JSON.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
 
 # pydantic names union members in error locations ('prompt', 'list[int]', 0); they are not fields.
@@ -279,8 +285,9 @@ def prepare_completion(body: CompletionRequest, view: EngineView) -> PreparedReq
         _check_prompt(ids, view, param)
         prompts.append(ids)
     params = _sampling_params(body, view, prompts, body.max_tokens, "max_tokens", 16, body.logprobs is not None)
+    # Without a tokenizer the text is empty: the token ids are the answer, so they are always returned.
     return PreparedRequest(prompts, params, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                           body.logprobs is not None, body.return_token_ids)
+                           body.logprobs is not None, body.return_token_ids or view.tokenizer is None)
 
 
 def _message_dict(message: ChatMessage) -> dict:
@@ -304,6 +311,22 @@ def _check_contents(messages: list[ChatMessage]) -> None:
                                              f"parts); only assistant messages with tool_calls may omit it")
 
 
+def _unsupported_chat(body: ChatCompletionRequest) -> None:
+    """Tool calling and structured output: a client that asks for them relies on the answer's form, which this
+    engine does not produce, so they are refused rather than answered with plain text."""
+    for field in ("tools", "functions"):
+        if getattr(body, field):
+            raise _bad(field, "tool calling is not supported by this engine (the output is not parsed into "
+                              "tool_calls); leave it out")
+    for field in ("tool_choice", "function_call"):
+        if getattr(body, field) not in (None, "none"):
+            raise _bad(field, "tool calling is not supported by this engine; leave it out or set it to 'none'")
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format", "structured output (JSON mode, JSON schema) is not supported by this engine; "
+                                      "leave it out or use {\"type\": \"text\"}")
+
+
 def prepare_chat(body: ChatCompletionRequest, view: EngineView) -> PreparedRequest:
     from ..engine.tokenizer import ChatTemplateError
 
@@ -312,6 +335,7 @@ def prepare_chat(body: ChatCompletionRequest, view: EngineView) -> PreparedReque
     if body.top_logprobs:
         raise _bad("top_logprobs", "alternatives are not computed by this engine (only the sampled token's "
                                    "log-probability); use logprobs=true with top_logprobs 0 or unset")
+    _unsupported_chat(body)
     tok = view.tokenizer
     if tok is None:
         raise _bad("messages", "this model has no tokenizer, so chat completions are unavailable; use "

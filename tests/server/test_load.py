@@ -246,6 +246,11 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2, "logprobs": True}, "top_logprobs", 400),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens", 400),
     ("/v1/chat/completions", {"messages": MSG, "presence_penalty": 1.0}, "presence_penalty", 400),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     400),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice", 400),
+    ("/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions", 400),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format", 400),
 ]
 
 

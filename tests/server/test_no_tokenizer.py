@@ -1,6 +1,7 @@
-"""A model without a tokenizer (token ids only), served live: completions of token-id prompts carry log-probabilities
-whose offsets fit the (empty) text; chat and text prompts are refused with a 400 that says why. Also the
-translation of chat messages whose content is missing, checked without a server."""
+"""A model without a tokenizer (token ids only), served live: completions of token-id prompts return their token ids
+unasked and carry log-probabilities whose offsets fit the (empty) text; chat and text prompts are refused with a 400
+that says why. Also the translation of chat messages (missing content, tool and format fields), checked without a
+server."""
 
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def test_logprob_offsets_fit_the_empty_text(ids_server):
         assert "".join(c["text"] for c in chunks) == "" and offsets == [0, 0, 0]
 
 
+def test_token_ids_are_returned_without_asking(ids_server):
+    with httpx.Client(base_url=ids_server.url, timeout=300) as client:
+        choice = client.post("/v1/completions", json=IDS).json()["choices"][0]
+        assert choice["text"] == "" and len(choice["token_ids"]) == 3, choice
+        assert choice["prompt_token_ids"] == IDS["prompt"], choice
+        with client.stream("POST", "/v1/completions", json={**IDS, "stream": True}) as r:
+            chunks = [e["choices"][0] for e in _events(r)]
+        assert [t for c in chunks for t in c.get("token_ids", [])] == choice["token_ids"], chunks
+
+
 def test_chat_and_text_prompts_say_there_is_no_tokenizer(ids_server):
     with httpx.Client(base_url=ids_server.url, timeout=60) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -95,3 +106,9 @@ def test_assistant_tool_calls_may_omit_content(view):
     prepared = _chat(view, [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
                             {"role": "user", "content": "and?"}])
     assert prepared.prompts[0]
+
+
+def test_tool_and_format_fields_that_ask_for_nothing_are_accepted(view):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none", "tools": [],
+            "response_format": {"type": "text"}}
+    assert prepare_chat(parse_body(ChatCompletionRequest, json.dumps(body).encode()), view).prompts[0]
