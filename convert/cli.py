@@ -157,11 +157,14 @@ def _check_target(source: str, target: str, force: bool) -> None:
 
 
 class Progress:
-    """One stderr line over tensors and bytes, redrawn at most every 0.2 s."""
+    """Progress over tensors and bytes on stderr: on a terminal one line redrawn at most every 0.2 s; elsewhere (a
+    log file, a pipe) a plain line every 10 s and at the end."""
 
     def __init__(self, label: str, tensors: int, nbytes: int, stream=None):
         self.label, self.tensors, self.nbytes = label, tensors, nbytes
         self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.redraw = bool(isatty and isatty())
         self.done = self.done_bytes = 0
         self.start = self.last = time.monotonic()
 
@@ -169,15 +172,17 @@ class Progress:
         self.done += 1
         self.done_bytes += nbytes
         now = time.monotonic()
-        if now - self.last >= 0.2 or self.done == self.tensors:
+        finished = self.done == self.tensors
+        if now - self.last >= (0.2 if self.redraw else 10.0) or finished:
             self.last = now
             width = 24
             filled = int(width * self.done_bytes / max(self.nbytes, 1))
-            print(
-                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.tensors} tensors, "
-                f"{_size(self.done_bytes)}/{_size(self.nbytes)}, {now - self.start:.1f}s",
-                end="\n" if self.done == self.tensors else "", file=self.stream, flush=True,
-            )
+            line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.tensors} tensors, "
+                    f"{_size(self.done_bytes)}/{_size(self.nbytes)}, {now - self.start:.1f}s")
+            if self.redraw:
+                print(f"\r{line}", end="\n" if finished else "", file=self.stream, flush=True)
+            else:
+                print(line, file=self.stream, flush=True)
 
 
 def _size(nbytes: int) -> str:
@@ -421,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep only the mixers of this placement: a name from placements.json or one mixer per "
                         "layer, comma-separated; repeat to keep the union of several")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="store weights in this dtype (default: as in the source; fp32 gate parameters stay fp32)")
+                        help="store weights in this dtype (default: as in the source; fp32 gate parameters stay fp32; "
+                        "the engine computes in float32 or bfloat16 and casts float16 weights on load)")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="lay the tensors out for a mesh of N devices (default 1: loads at any size)")
     parser.add_argument("--verify", action="store_true", help="reload every tensor and compare it with the source")

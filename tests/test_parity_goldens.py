@@ -62,6 +62,7 @@ def test_check_parity_script_reports_and_fails_on_mismatch(tmp_path):
 
     missing = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 2 and "golden.safetensors" in missing.stderr
+    assert missing.stderr.startswith("apriel2-check-parity: error:"), missing.stderr
     nowhere = subprocess.run([sys.executable, script, str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr, nowhere.stderr
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM, StreamEvent
-from .engine_loop import EngineError, EngineLoop, EngineUnavailable, QueueFull, Ticket
+from .engine_loop import EngineError, EngineLoop, EngineUnavailable, QueueFull
 from .formatting import Choice, Detokenizer, Responder, sse
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, EngineView, PreparedRequest, error_body,

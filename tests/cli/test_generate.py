@@ -248,6 +248,16 @@ def test_prompt_longer_than_context(capsys):
            "max_model_len", "8 tokens")
 
 
+def test_prompt_near_the_context_end_warns_and_stops_there(capsys):
+    argv = [CASE, "--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "8", "--max-new-tokens", "5", "--ignore-eos",
+            "--json", *ENGINE]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "warning: prompt 0 has 6 tokens, so the context (max_model_len 8) leaves room for 2 of the 5" in captured.err
+    (record,) = json.loads(captured.out)
+    assert len(record["token_ids"]) == 2 and record["finish_reason"] == "length"
+
+
 def test_unknown_placement(capsys):
     _fails(capsys, [CASE, "--prompt-ids", "1,2", "--placement", "nope", *ENGINE], "unknown placement 'nope'", "main")
     _fails(capsys, [CASE, "--prompt-ids", "1,2", "--placement", "attention,kda,gdn", *ENGINE], "unknown mixer 'kda'")

@@ -368,3 +368,29 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+class _Stream(list):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, text):
+        self.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_redraws_only_on_a_terminal(tty):
+    stream = _Stream(tty)
+    progress = convert.cli.Progress("writing", 3, 3 * 2**20, stream)
+    for _ in range(3):
+        progress.update(2**20)
+    text = "".join(stream)
+    assert text.endswith("writing [########################] 3/3 tensors, 3.0 MiB/3.0 MiB, " + text.split(", ")[-1])
+    assert text.endswith("s\n") and ("\r" in text) == tty
