@@ -319,7 +319,8 @@ def _unsupported_chat(body: ChatCompletionRequest) -> None:
             raise _bad(field, "tool calling is not supported by this engine (the output is not parsed into "
                               "tool_calls); leave it out")
     for field in ("tool_choice", "function_call"):
-        if getattr(body, field) not in (None, "none"):
+        # "auto" without tools asks for nothing (some clients always send it); "required" or a named function does.
+        if getattr(body, field) not in (None, "none", "auto"):
             raise _bad(field, "tool calling is not supported by this engine; leave it out or set it to 'none'")
     fmt = body.response_format
     if fmt is not None and fmt != {"type": "text"}:

@@ -109,6 +109,7 @@ def test_assistant_tool_calls_may_omit_content(view):
 
 
 def test_tool_and_format_fields_that_ask_for_nothing_are_accepted(view):
-    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none", "tools": [],
-            "response_format": {"type": "text"}}
-    assert prepare_chat(parse_body(ChatCompletionRequest, json.dumps(body).encode()), view).prompts[0]
+    for choice in ("none", "auto"):
+        body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice, "tools": [],
+                "response_format": {"type": "text"}}
+        assert prepare_chat(parse_body(ChatCompletionRequest, json.dumps(body).encode()), view).prompts[0]
