@@ -72,9 +72,9 @@ def write_group(directory: str, group: str, tensors: dict[str, np.ndarray]) -> N
     try:
         checkpointer.save(os.path.abspath(os.path.join(directory, PARAMS, group)), _nested(tensors))
     finally:
-        # Also when interrupted: orbax writes on background threads, which would otherwise go on writing into a
-        # directory the caller is about to delete.
-        checkpointer.wait_until_finished()
+        # close() waits for orbax's background writers, also when interrupted, so that they stop writing into a
+        # directory the caller then deletes (a writer started in the instant before an interrupt may still escape
+        # it: apriel2-convert's next run removes what such a writer leaves).
         checkpointer.close()
 
 

@@ -73,7 +73,7 @@ def resolve_placement(
         try:
             return resolve_placement(config, named[spec])  # type: ignore[arg-type]
         except PlacementError as err:
-            raise PlacementError(f"placement {spec!r} (placements.json): {err}") from None
+            raise PlacementError(f"placement {spec!r}: {err}") from None
     resolved: list[str | None] = []
     if spec is None:
         for block in config.blocks:

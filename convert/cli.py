@@ -9,8 +9,9 @@
   ``tensor_parallel=N`` restores each device's rows straight from disk. ``--tp 1`` (default) loads at any size.
 * Everything is checked before anything is written (missing, unexpected, mis-shaped or non-float tensors,
   unreadable or truncated files, unknown placements), the output is assembled beside ``DST`` and renamed into
-  place at the end, and a failure, Ctrl-C or SIGTERM removes it: ``DST`` is either complete or untouched. What a
-  killed run (SIGKILL) leaves beside ``DST`` is removed by the next conversion to ``DST`` on the same host.
+  place at the end, and a failure, Ctrl-C or SIGTERM removes it: ``DST`` is either complete or untouched. The
+  partial output (``.DST.partial-*``) of a run killed outright (SIGKILL, a crash) is removed by the next
+  conversion to ``DST``; a lock held while it is written tells it from a live run's.
 * ``DST`` is a new directory in an existing one or, with ``--force``, an empty directory or an earlier conversion
   (recognised by its manifest): never the source, a directory holding it or inside it, a file or another directory.
 * The converted checkpoint keeps every named placement whose mixers it holds (``placements.json``, written over
@@ -22,6 +23,8 @@ Errors in the command or its inputs exit with status 2; an internal failure (a b
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -253,51 +256,99 @@ def convert(
 
     parent, name = os.path.split(target)
     _remove_stale_staging(parent, name, log)
-    staging = os.path.join(parent, f"{_staging_prefix(name)}{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
-        manifest = _write(source, staging, found, expected, sources, plan, np_dtype, dtype, out_raw, out_placements,
-                          chosen, log)
-        if verify:
-            _verify(staging, found, expected, sources, plan, np_dtype, manifest, log)
-        if os.path.exists(target):
-            _replace(target, staging, os.path.join(parent, f".{name}.replaced-{os.getpid()}"), log)
-        else:
-            os.rename(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    staging = os.path.join(parent, f".{name}.partial-{socket.gethostname()}-{os.getpid()}")
+    with _owned(staging):
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # a dead run's of the same name (the lock is ours now)
+            os.makedirs(staging)
+            manifest = _write(source, staging, found, expected, sources, plan, np_dtype, dtype, out_raw,
+                              out_placements, chosen, log)
+            if verify:
+                _verify(staging, found, expected, sources, plan, np_dtype, manifest, log)
+            with _signals_deferred():  # the swap runs to its end: DST is complete or as it was
+                if os.path.exists(target):
+                    _replace(target, staging, os.path.join(parent, f".{name}.replaced-{os.getpid()}"), log)
+                else:
+                    os.rename(staging, target)
+        except BaseException:
+            with _signals_deferred():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
     return manifest
 
 
-def _staging_prefix(name: str) -> str:
-    # The host is in the name so that a run never mistakes another machine's live output (a shared filesystem)
-    # for the leftovers of a dead process of its own.
-    return f".{name}.partial-{socket.gethostname()}-"
-
-
-def _process_exists(pid: int) -> bool:
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM held until the block ends (then raised as usual)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _try_lock(path: str) -> int | None:
+    """An exclusive lock on ``path`` (created if missing): its descriptor, or None while another process holds it.
+    The kernel drops a lock when its process ends however it ends, so a lock that can be taken marks an owner that
+    is gone (flock works across the clients of a shared filesystem too, where process ids and host names do not
+    tell one machine's or container's runs from another's)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def _owned(staging: str):
+    """Holds ``staging``'s lock (``staging + ".lock"``) while the conversion writes it, so that another conversion
+    to the same target can tell a live partial output from a dead run's."""
+    lock = staging + ".lock"
+    fd = _try_lock(lock)
+    if fd is None:  # our own pid and host: only a stale lock file of a pid-reusing namespace could hold it
+        raise ConversionError(f"{lock} is held by another process; is another apriel2-convert writing here?")
+    try:
+        yield
+    finally:
+        os.unlink(lock)
+        os.close(fd)
+
+
+# A partial output without its lock file (written by a version before the lock, or whose lock file was deleted)
+# counts as a dead run's once nothing has touched it for this long.
+UNLOCKED_STALE_SECONDS = 3600
 
 
 def _remove_stale_staging(parent: str, name: str, log) -> None:
-    """Delete the partial outputs of earlier runs on this host that died without cleaning up (SIGKILL, a crash):
-    a process that no longer exists cannot finish them, and nothing else would ever delete them."""
-    prefix = _staging_prefix(name)
+    """Delete the partial outputs of earlier conversions to this target that died without cleaning up (SIGKILL, a
+    crash, a power loss): nothing else would ever delete them. A partial output whose lock its owner still holds
+    is left alone."""
+    prefix = f".{name}.partial-"
     for entry in sorted(os.listdir(parent)):
-        pid = entry[len(prefix):] if entry.startswith(prefix) else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or _process_exists(int(pid)):
+        path = os.path.join(parent, entry)
+        if not entry.startswith(prefix) or entry.endswith(".lock") or os.path.islink(path) or not os.path.isdir(path):
             continue
-        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-        log(f"apriel2-convert: removed {os.path.join(parent, entry)}, the partial output of an earlier run that "
-            f"did not finish")
+        fd = None
+        if os.path.exists(path + ".lock"):
+            fd = _try_lock(path + ".lock")
+            if fd is None:
+                continue  # a live conversion's
+        elif time.time() - os.path.getmtime(path) < UNLOCKED_STALE_SECONDS:
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            if fd is not None:
+                os.unlink(path + ".lock")
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if os.path.exists(path):
+            log(f"apriel2-convert: warning: could not delete {path}, the partial output of an earlier run that did "
+                f"not finish; delete it yourself")
+        else:
+            log(f"apriel2-convert: removed {path}, the partial output of an earlier run that did not finish")
 
 
 def _replace(target: str, staging: str, old: str, log) -> None:

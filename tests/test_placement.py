@@ -38,7 +38,7 @@ def test_list_mapping_named_and_aliases(config):
         ({"9": "gdn"}, "model has 6 layers"),
         ({"x": "gdn"}, "not a layer index"),
         ("nope", "unknown placement 'nope'"),
-        ("bad", r"placement 'bad' \(placements.json\): layer 5: unknown mixer 'nonsense'"),
+        ("bad", "placement 'bad': layer 5: unknown mixer 'nonsense'"),
     ],
 )
 def test_bad_placements(config, spec, message):

@@ -63,8 +63,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--placement", default=None, metavar="NAME",
                    help="a placement name from the checkpoint's placements.json, or a comma-separated mixer name per "
-                        "layer ('-', 'none' or the layer's type for fixed layers; a list that starts with '-' is written "
-                        "--placement=-,...); default: every layer's main mixer")
+                        "layer (for fixed layers '-', 'none' or the layer's type: attention/attn, sliding_window/swa, "
+                        "gdn, kda, mamba; a list that starts with '-' is written --placement=-,...); default: every "
+                        "layer's main mixer")
     g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="weights/compute dtype (default bfloat16)")
     g.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP channels and vocabulary; default 1)")

@@ -406,13 +406,14 @@ def _run(args) -> int:
                     f"prompt {index} has {len(ids)} tokens; the model context (max_model_len) is {max_model_len}, "
                     f"which must leave room for at least one generated token (raise --max-model-len or shorten it)"
                 )
-            if len(ids) + params.max_new_tokens > max_model_len:  # it stops there with finish reason "length"
-                print(f"apriel2-generate: warning: prompt {index} has {len(ids)} tokens, so the context "
-                      f"(max_model_len {max_model_len}) leaves room for {max_model_len - len(ids)} of the "
-                      f"{params.max_new_tokens} new tokens asked", file=sys.stderr)
 
         # Several processes run this same command, each on its own devices of one mesh; process 0 writes.
         primary = not join_processes(args) or is_primary()
+        for index, ids in enumerate(prompt_ids):
+            if primary and len(ids) + params.max_new_tokens > max_model_len:  # it stops with finish reason "length"
+                print(f"apriel2-generate: warning: prompt {index} has {len(ids)} tokens, so the context "
+                      f"(max_model_len {max_model_len}) leaves room for {max_model_len - len(ids)} of the "
+                      f"{params.max_new_tokens} new tokens asked", file=sys.stderr)
         with contextlib.nullcontext(sys.stdout) if primary else open(os.devnull, "w") as stdout:
             outputs, wall, llm = _generate(args, directory, placement, named, engine_seed, tokenizer, prompt_ids,
                                            params, stdout, quiet=not primary)

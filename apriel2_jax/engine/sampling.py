@@ -128,7 +128,7 @@ class SamplingParams:
 
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
-                raise SamplingError("seed", self.seed, "an integer from 0 to 2**64 - 1, or unset")
+                raise SamplingError("seed", self.seed, f"an integer from 0 to 2**{MAX_SEED.bit_length()} - 1, or unset")
             object.__setattr__(self, "seed", int(self.seed))
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

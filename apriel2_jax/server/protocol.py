@@ -2,8 +2,9 @@
 
 Bodies are validated strictly (``"5"`` is not a number, ``1.0`` is not an integer) so a client's mistake fails at
 once with a 400 naming the field, rather than being coerced into something it did not ask for. Fields of the
-OpenAI API this engine cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tools, structured output...)
-are rejected, never silently ignored. Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients add their own).
+OpenAI API this engine cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tool calls, structured
+output...) are rejected, never silently ignored. Unknown fields are ignored, as OpenAI-compatible servers commonly
+do (clients add their own).
 
 Extensions beyond the OpenAI schema (the names vLLM uses): ``top_k``, ``ignore_eos``, ``stop_token_ids`` and
 ``return_token_ids`` (each choice also carries its generated ``token_ids``, and the response its
@@ -315,9 +316,10 @@ def _unsupported_chat(body: ChatCompletionRequest) -> None:
     """Tool calling and structured output: a client that asks for them relies on the answer's form, which this
     engine does not produce, so they are refused rather than answered with plain text."""
     for field in ("tools", "functions"):
-        if getattr(body, field):
+        # Tools with tool_choice "none" ask for plain text (some agent frameworks always send their tool list).
+        if getattr(body, field) and body.tool_choice != "none":
             raise _bad(field, "tool calling is not supported by this engine (the output is not parsed into "
-                              "tool_calls); leave it out")
+                              "tool_calls); leave it out or set tool_choice to 'none'")
     for field in ("tool_choice", "function_call"):
         # "auto" without tools asks for nothing (some clients always send it); "required" or a named function does.
         if getattr(body, field) not in (None, "none", "auto"):

@@ -317,8 +317,9 @@ def test_sigterm_mid_conversion_removes_the_partial_output(tmp_path):
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.exists(), proc.communicate(timeout=5)[1] if proc.poll() is not None else "no group written"
-    partial = [e for e in os.listdir(tmp_path) if e.startswith(".out.partial-")]
+    partial = [e for e in os.listdir(tmp_path) if e.startswith(".out.partial-") and not e.endswith(".lock")]
     assert len(partial) == 1 and os.listdir(tmp_path / partial[0])  # it was writing there
+    assert os.path.exists(tmp_path / (partial[0] + ".lock"))
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -336,38 +337,51 @@ def test_write_group_waits_for_orbax_writers_when_interrupted(tmp_path, monkeypa
             calls.append("save")
             raise KeyboardInterrupt
 
-        def wait_until_finished(self):
-            calls.append("wait")
-
-        def close(self):
+        def close(self):  # orbax's close() waits for the writers
             calls.append("close")
 
     monkeypatch.setattr(orbax_checkpoint, "_checkpointer", Checkpointer)
     with pytest.raises(KeyboardInterrupt):
         orbax_checkpoint.write_group(str(tmp_path), "group", {"a": np.zeros(2, np.float32)})
-    assert calls == ["save", "wait", "close"]
+    assert calls == ["save", "close"]
 
 
 def test_partial_output_of_a_dead_run_is_removed_by_the_next(tmp_path, capsys):
-    import socket
+    import fcntl
+    import time
 
     source = _source(tmp_path)
-    host = socket.gethostname()
-    dead = tmp_path / f".out.partial-{host}-{_dead_pid()}"
-    live = tmp_path / f".out.partial-{host}-{os.getppid()}"  # a running process's: may still be writing
-    other_host = tmp_path / f".out.partial-{host}x-{_dead_pid()}"  # another machine's, on a shared filesystem
-    for d in (dead, live, other_host):
-        os.makedirs(d / "params")
-    _convert(source, tmp_path / "out")
-    assert not dead.exists() and live.exists() and other_host.exists()
-    assert f"removed {dead}, the partial output of an earlier run" in capsys.readouterr().err
+
+    def partial(label, lock):
+        path = tmp_path / f".out.partial-{label}"
+        os.makedirs(path / "params")
+        if lock:
+            (tmp_path / f".out.partial-{label}.lock").touch()
+        return path
+
+    dead = partial("host-1", lock=True)  # its lock file is there, nobody holds it: its run was killed
+    live = partial("host-2", lock=True)  # a running conversion's (same host name and pid space or not)
+    old_unlocked = partial("7", lock=False)  # an older version's, untouched for two hours
+    two_hours_ago = time.time() - 7200
+    os.utime(old_unlocked, (two_hours_ago, two_hours_ago))
+    fresh_unlocked = partial("8", lock=False)  # no lock and recent: it may be a run that has not locked yet
+    elsewhere = tmp_path / "elsewhere"
+    os.makedirs(elsewhere)
+    os.symlink(elsewhere, tmp_path / ".out.partial-link")  # never followed
+    holder = os.open(tmp_path / ".out.partial-host-2.lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file description: conflicts as another process's would
+    try:
+        _convert(source, tmp_path / "out")
+    finally:
+        os.close(holder)
+    assert not dead.exists() and not (tmp_path / ".out.partial-host-1.lock").exists()
+    assert not old_unlocked.exists()
+    assert live.exists() and fresh_unlocked.exists() and elsewhere.exists()
+    assert (tmp_path / ".out.partial-link").is_symlink()
+    err = capsys.readouterr().err
+    assert f"removed {dead}, the partial output of an earlier run" in err and f"removed {old_unlocked}" in err
     assert is_converted(tmp_path / "out")
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+    assert not any(e.endswith(".lock") and "host-2" not in e for e in os.listdir(tmp_path))  # ours is gone
 
 
 class _Stream(list):
