@@ -147,6 +147,24 @@ def test_too_many_devices_is_a_clear_error():
         load_model(os.path.join(GOLDENS, "supernet_swa"), "float32", tensor_parallel=64)
 
 
+@pytest.mark.parametrize("supernet", [False, True])
+def test_conv_kernel_of_one_is_refused_at_tensor_parallel(supernet):
+    """Its empty conv state would crash XLA compiling the split step (the process dies), so LLM refuses it."""
+    from apriel2_jax.config import parse_config
+    from tests.helpers import tiny_config
+
+    config = tiny_config()
+    blocks = config["decoder"]["blocks"]
+    if supernet:
+        blocks["super"]["mixer"]["mixers"]["gdn"]["convolution_layer"]["kernel_size"] = 1
+    else:
+        blocks["mamba"]["mixer"]["d_conv"] = 1
+    model = random_sharded(parse_config(config), 2, dtype=np.float32)
+    where = "layer 5 mixer 'gdn'" if supernet else "layer 4"
+    with pytest.raises(ShardingError, match=f"{where}: a convolution of kernel size 1 .* tensor_parallel=1"):
+        LLM(model=model, **SMALL)
+
+
 def test_command_lines_take_tensor_parallel(tmp_path, capsys):
     """apriel2-generate on a converted --tp 2 checkpoint and check_parity with --tensor-parallel 2."""
     import json

@@ -39,6 +39,7 @@ from ..compilation_cache import enable_compilation_cache
 from ..distributed import agree_on_minimum
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
+from ..config import StochasticConfig
 from ..sharding import ShardingError
 from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache
@@ -199,6 +200,8 @@ class LLM:
             model = shard_model(model, tensor_parallel)
         self.model = model
         self.config = model.config
+        if isinstance(model, ShardedModel) and model.tp > 1:
+            _check_split_conv_states(self.config)
         if isinstance(tokenizer, str):
             if tokenizer != "auto":
                 raise ValueError(f"tokenizer must be 'auto', a Tokenizer or None, got {tokenizer!r}")
@@ -814,3 +817,17 @@ class LLM:
             total_time=now - start,
         )
         yield StreamEvent(request.request_id, tokens, new_text, True, output, new_logprobs)
+
+
+def _check_split_conv_states(config) -> None:
+    """A convolution of kernel size 1 keeps no history: its cache state is [slots, 0, channels]. XLA (jaxlib 0.11.2,
+    CPU) crashes the process compiling a split step that carries such an empty array, so it is refused here."""
+    for i, block in enumerate(config.blocks):
+        mixers = block.mixer.mixers if isinstance(block.mixer, StochasticConfig) else (("", block.mixer),)
+        for name, mixer in mixers:
+            kernel = getattr(mixer, "conv_kernel_size", getattr(mixer, "d_conv", None))
+            if kernel == 1:
+                where = f"layer {i}" + (f" mixer {name!r}" if name else "")
+                raise ShardingError(f"{where}: a convolution of kernel size 1 (no conv history) is not supported "
+                                    f"with tensor parallelism, whose compiled step crashes XLA on its empty conv "
+                                    f"state; run this model with tensor_parallel=1")
