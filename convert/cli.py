@@ -307,7 +307,7 @@ def _owned(staging: str):
     to the same target can tell a live partial output from a dead run's."""
     lock = staging + ".lock"
     fd = _try_lock(lock)
-    if fd is None:  # our own pid and host: only a stale lock file of a pid-reusing namespace could hold it
+    if fd is None:  # the name has our host and pid: only a process of another pid namespace (a container) could
         raise ConversionError(f"{lock} is held by another process; is another apriel2-convert writing here?")
     try:
         yield
@@ -331,11 +331,14 @@ def _remove_stale_staging(parent: str, name: str, log) -> None:
         if not entry.startswith(prefix) or entry.endswith(".lock") or os.path.islink(path) or not os.path.isdir(path):
             continue
         fd = None
-        if os.path.exists(path + ".lock"):
-            fd = _try_lock(path + ".lock")
-            if fd is None:
-                continue  # a live conversion's
-        elif time.time() - os.path.getmtime(path) < UNLOCKED_STALE_SECONDS:
+        try:
+            if os.path.exists(path + ".lock"):
+                fd = _try_lock(path + ".lock")
+                if fd is None:
+                    continue  # a live conversion's
+            elif time.time() - os.path.getmtime(path) < UNLOCKED_STALE_SECONDS:
+                continue
+        except OSError:  # gone meanwhile (its run just finished) or not ours to open: left alone
             continue
         try:
             shutil.rmtree(path, ignore_errors=True)

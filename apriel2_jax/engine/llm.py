@@ -36,10 +36,10 @@ from flax import nnx
 
 from ..checkpoint import load_model
 from ..compilation_cache import enable_compilation_cache
+from ..config import StochasticConfig
 from ..distributed import agree_on_minimum
 from ..modules import Apriel2ForCausalLM
 from ..placement import PlacementSpec, load_placements, resolve_placement
-from ..config import StochasticConfig
 from ..sharding import ShardingError
 from ..tensor_parallel import ShardedModel, shard_model
 from .cache_layout import CacheConfigError, cache_layout, plan_cache

@@ -315,11 +315,11 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 def _unsupported_chat(body: ChatCompletionRequest) -> None:
     """Tool calling and structured output: a client that asks for them relies on the answer's form, which this
     engine does not produce, so they are refused rather than answered with plain text."""
-    for field in ("tools", "functions"):
-        # Tools with tool_choice "none" ask for plain text (some agent frameworks always send their tool list).
-        if getattr(body, field) and body.tool_choice != "none":
-            raise _bad(field, "tool calling is not supported by this engine (the output is not parsed into "
-                              "tool_calls); leave it out or set tool_choice to 'none'")
+    for field, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        # Tools with a choice of "none" ask for plain text (some agent frameworks always send their tool list).
+        if getattr(body, field) and getattr(body, choice) != "none":
+            raise _bad(field, f"tool calling is not supported by this engine (the output is not parsed into "
+                              f"tool_calls); leave it out or set {choice} to 'none'")
     for field in ("tool_choice", "function_call"):
         # "auto" without tools asks for nothing (some clients always send it); "required" or a named function does.
         if getattr(body, field) not in (None, "none", "auto"):

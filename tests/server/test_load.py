@@ -250,6 +250,7 @@ MALFORMED = [
      400),
     ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice", 400),
     ("/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions", 400),
+    ("/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}], "tool_choice": "none"}, "functions", 400),
     ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format", 400),
 ]
 

@@ -110,6 +110,7 @@ def test_assistant_tool_calls_may_omit_content(view):
 
 def test_tool_and_format_fields_that_ask_for_nothing_are_accepted(view):
     tool = {"type": "function", "function": {"name": "f"}}
-    for extra in ({"tool_choice": "none", "tools": [tool]}, {"tool_choice": "auto", "tools": []}, {}):
+    for extra in ({"tool_choice": "none", "tools": [tool]}, {"tool_choice": "auto", "tools": []},
+                  {"function_call": "none", "functions": [tool["function"]]}, {}):
         body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}, **extra}
         assert prepare_chat(parse_body(ChatCompletionRequest, json.dumps(body).encode()), view).prompts[0]
