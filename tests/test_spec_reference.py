@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import os
 from typing import Any, Callable
 
@@ -41,7 +40,7 @@ from apriel2_jax.config import parse_config
 from apriel2_jax.engine.llm import LLM
 from apriel2_jax.engine.sampling import SamplingParams
 from apriel2_jax.engine.step import Buckets
-from apriel2_jax.placement import resolve_placement
+from apriel2_jax.placement import load_placements, resolve_placement
 from apriel2_jax.runner import ModelRunner
 from apriel2_jax.sharding import AXIS, plan_tensor_parallel
 from apriel2_jax.tensor_parallel import ShardedModel
@@ -62,21 +61,15 @@ def tolerance(reference: np.ndarray) -> float:
 
 
 def _golden_pairs() -> list[tuple[str, str]]:
-    pairs = []
-    for case in golden_cases():
-        with open(os.path.join(GOLDENS, case, "placements.json")) as f:
-            pairs.extend((case, name) for name in json.load(f))
-    return pairs
+    return [(case, name) for case in golden_cases() for name in load_placements(os.path.join(GOLDENS, case))]
 
 
 @functools.cache
 def _golden(case: str) -> tuple[SpecReference, dict[str, np.ndarray], dict]:
     """(reference over the case's checkpoint, golden.safetensors tensors, placements.json)."""
     directory = os.path.join(GOLDENS, case)
-    with open(os.path.join(directory, "placements.json")) as f:
-        placements = json.load(f)
     golden = load_file(os.path.join(directory, "golden.safetensors"))
-    return SpecReference.from_checkpoint(directory), golden, placements
+    return SpecReference.from_checkpoint(directory), golden, load_placements(directory)
 
 
 @pytest.mark.parametrize("case, placement", _golden_pairs())
