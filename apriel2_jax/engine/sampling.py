@@ -6,7 +6,8 @@ The module has two halves that meet only through plain arrays:
   with a message naming the field instead of producing NaNs deep inside a compiled step), :func:`check_stop` /
   :class:`StopChecker` (finish conditions, evaluated after every decode step), :func:`request_seed` and
   :func:`stack_params` (turn a batch of requests into the per-row arrays the device needs).
-* Device side (pure, jittable, fixed shapes): :func:`sample` and :func:`keys_from_words` / :func:`make_keys`.
+* Device side (pure, jittable, fixed shapes): :func:`sample` (or :func:`sample_words` with the keys' words from
+  :func:`draw_words`) and :func:`keys_from_words` / :func:`make_keys`.
   Every per-request knob is a per-row *array*, never a Python value, so a batch mixing greedy and sampled
   requests with different temperatures, top-k and top-p runs through one executable per ``(R, V)`` shape.
 
@@ -47,9 +48,11 @@ __all__ = [
     "request_seed",
     "stack_params",
     "seeds_to_words",
+    "draw_words",
     "keys_from_words",
     "make_keys",
     "sample",
+    "sample_words",
     "GREEDY_TEMPERATURE",
     "MAX_SEED",
 ]
@@ -365,9 +368,15 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _gumbel_sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
-    """One draw per row from ``softmax(scaled)`` by the Gumbel-max trick: ``argmax(scaled + G)`` with ``G``
-    standard Gumbel noise per vocabulary entry.
+def draw_words(keys: jax.Array) -> jax.Array:
+    """The two threefry words ``uint32[R, 2]`` of each row's key that seed its Gumbel noise (:func:`sample_words`).
+    Jittable; the engine draws a dispatch's words for all its steps at once, ahead of its device loop."""
+    return jax.vmap(lambda key: jax.random.bits(key, (2,), jnp.uint32))(keys)
+
+
+def _gumbel_noise(words: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """Standard Gumbel noise ``[R, V]`` for the Gumbel-max trick: ``argmax(scaled + G)`` draws from
+    ``softmax(scaled)``.
 
     ``jax.random.categorical`` makes that noise with threefry (20 rounds of add, rotate and xor per pair of
     words): at a 152K vocabulary its noised argmax took 38 us per decode step at 32 rows and 280 us at 256 on an
@@ -375,11 +384,10 @@ def _gumbel_sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
     a draw still depends only on its seed and step), and each entry's uniform number is a keyed hash of its
     index (two rounds of a 32-bit mixer), in the same fused reduction as the argmax. Uniforms lie in (0, 1) at
     24-bit resolution."""
-    words = jax.vmap(lambda key: jax.random.bits(key, (2,), jnp.uint32))(keys)
-    index = lax.broadcasted_iota(jnp.uint32, scaled.shape, 1)
+    index = lax.broadcasted_iota(jnp.uint32, shape, 1)
     bits = _mix32(_mix32(index ^ words[:, :1]) ^ words[:, 1:])
     uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
-    return jnp.argmax(scaled - jnp.log(-jnp.log(uniform)), axis=-1).astype(jnp.int32)
+    return -jnp.log(-jnp.log(uniform))
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
@@ -458,6 +466,19 @@ def sample(
       unmodified model distribution (``log_softmax(logits)``, no temperature or filtering), so it means the
       same thing whatever sampling settings produced the token.
     """
+    return sample_words(logits, temperature, top_k, top_p, draw_words(keys), filters=filters, logprobs=logprobs)
+
+
+def sample_words(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    words: jax.Array,
+    filters: bool = True,
+    logprobs: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`sample` with each row's key given as its two words ``uint32[R, 2]`` (:func:`draw_words`)."""
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_k = jnp.asarray(top_k, jnp.int32)
@@ -465,8 +486,6 @@ def sample(
     vocab = logits.shape[-1]
 
     greedy = temperature <= GREEDY_TEMPERATURE
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     use_top_k = ~greedy & (top_k > 0) & (top_k < vocab)
     use_top_p = ~greedy & (top_p < 1.0)
@@ -477,8 +496,10 @@ def sample(
         scaled = jnp.where(_top_k_mask(scaled, jnp.where(use_top_k, top_k, 0)), scaled, -jnp.inf)
         scaled = jnp.where(_top_p_mask(scaled, jnp.where(use_top_p, top_p, 1.0)), scaled, -jnp.inf)
 
-    sampled = _gumbel_sample(keys, scaled)
-    tokens = jnp.where(greedy, greedy_tokens, sampled)
+    # One argmax serves greedy rows (the raw logits) and sampled ones (the noised, scaled logits): a greedy
+    # argmax beside the noised one is another pass over the [R, V] logits and more kernels per decode step.
+    noised = scaled + _gumbel_noise(words, logits.shape)
+    tokens = jnp.argmax(jnp.where(greedy[:, None], logits, noised), axis=-1).astype(jnp.int32)
 
     if not logprobs:
         return tokens, jnp.zeros(tokens.shape, jnp.float32)

@@ -38,7 +38,7 @@ from ..modules.paged import PagedBatch
 from ..placement import Placement
 from ..tensor_parallel import ShardedModel
 from .cache_manager import CacheManager
-from .sampling import keys_from_words, sample
+from .sampling import draw_words, keys_from_words, sample_words
 from .scheduler import ScheduledStep
 
 # Stop ids checked on the device per row (EOS ids and the request's stop_token_ids); a request with more is
@@ -243,6 +243,15 @@ def _unpack(ints: jax.Array, layout: StepLayout):
     return tokens, batch, scalar, seeds, ints[:, col["stop_ids"]]
 
 
+def _is_stop_id(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """Whether each row's token is one of its ``DEVICE_STOP_IDS`` stop ids (-1: none), as elementwise ORs over the
+    few columns: a reduction over them is a kernel of its own in every decode step."""
+    hit = tokens == stop_ids[:, 0]
+    for column in range(1, stop_ids.shape[1]):
+        hit = hit | (tokens == stop_ids[:, column])
+    return hit
+
+
 def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
     """Rows that stopped become padding: their tokens write only to the sink page and sink slot."""
     return dataclasses.replace(
@@ -371,15 +380,19 @@ class StepRunner:
         def finished(last, counts):
             """Rows whose request ends here (padding, or a stop id; not a budget that merely ran out): a
             dispatch chained onto this one runs them as padding."""
-            hit = jnp.any(last[:, None] == stop_ids, axis=1)
+            hit = _is_stop_id(last, stop_ids)
             return stopped | hit | (counts < scalar["budget"])
+
+        # Every step's noise words at once, ahead of the device loop: drawn inside it they were two more small
+        # kernels in each step.
+        steps = jnp.arange(decode_steps, dtype=jnp.uint32)[:, None]
+        words = jax.vmap(lambda s: draw_words(keys_from_words(seeds, s)))(scalar["counter"].astype(jnp.uint32) + steps)
 
         def one(tokens, batch, cache, i):
             logits, cache = model.forward_paged(tokens, batch, cache, placement)
-            keys = keys_from_words(seeds, (scalar["counter"] + i).astype(jnp.uint32))
-            next_tokens, token_logprobs = sample(
-                logits.astype(jnp.float32), temperature, scalar["top_k"], top_p, keys, filters=filters,
-                logprobs=logprobs,
+            next_tokens, token_logprobs = sample_words(
+                logits.astype(jnp.float32), temperature, scalar["top_k"], top_p,
+                jax.lax.dynamic_index_in_dim(words, i, keepdims=False), filters=filters, logprobs=logprobs,
             )
             return next_tokens, token_logprobs, cache
 
@@ -398,9 +411,10 @@ class StepRunner:
             step_batch = _as_padding(dataclasses.replace(batch, positions=batch.positions + i), stopped)
             next_tokens, token_logprobs, cache = one(tokens, step_batch, cache, i)
             out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, next_tokens, i, 0)
-            out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, token_logprobs, i, 0)
+            if logprobs:  # else they stay the zeros they start as: no update kernel in every step
+                out_logprobs = jax.lax.dynamic_update_index_in_dim(out_logprobs, token_logprobs, i, 0)
             counts = counts + (~stopped).astype(jnp.int32)
-            hit = jnp.any(next_tokens[:, None] == stop_ids, axis=1) | (i + 1 >= scalar["budget"])
+            hit = _is_stop_id(next_tokens, stop_ids) | (i + 1 >= scalar["budget"])
             return i + 1, next_tokens[:, None], cache, out_tokens, out_logprobs, stopped | hit, counts
 
         def running(carry):

@@ -16,10 +16,12 @@ from apriel2_jax.engine.sampling import (
     SamplingParams,
     StopChecker,
     check_stop,
+    draw_words,
     make_keys,
     request_seed,
     keys_from_words,
     sample,
+    sample_words,
     seeds_to_words,
     stack_params,
 )
@@ -275,6 +277,30 @@ def test_sampler_without_logprobs_draws_the_same_tokens_and_skips_the_normaliser
         return re.search(r"\bexp\b", text) is not None
 
     assert has_exp() and not has_exp(logprobs=False)
+
+
+def test_sample_words_with_the_keys_words_is_sample():
+    """The engine draws a dispatch's noise words ahead of its device loop and samples with them: the same tokens
+    and log-probabilities as ``sample`` with the keys, for greedy, hot and filtered rows."""
+    logits = _random_logits(seed=11)
+    temperature = np.where(np.arange(R) % 3 == 0, 0.0, 1.3).astype(np.float32)
+    top_k = np.where(np.arange(R) % 4 == 1, 5, 0).astype(np.int32)
+    top_p = np.where(np.arange(R) % 5 == 2, 0.7, 1.0).astype(np.float32)
+    keys = make_keys(np.arange(R) * 7 + 1, np.arange(R))
+    expected = _sample(logits, temperature, top_k, top_p, keys)
+    words = jax.jit(draw_words)(keys)
+    assert words.shape == (R, 2) and words.dtype == np.uint32
+    got = jax.jit(sample_words)(logits, temperature, top_k, top_p, words)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(expected[1]))
+
+
+def test_one_argmax_serves_greedy_and_sampled_rows():
+    """One pass of argmax over the logits per step (each pass is more kernels in every decode step)."""
+    args = (_random_logits(seed=12), np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
+            make_keys(np.arange(R), np.zeros(R)))
+    text = jax.make_jaxpr(lambda *a: sample(*a, filters=False, logprobs=False))(*args).pretty_print()
+    assert len(re.findall(r"\bargmax\b", text)) == 1
 
 
 def test_bf16_logits_accepted():
