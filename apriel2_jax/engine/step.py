@@ -252,6 +252,14 @@ def _is_stop_id(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return hit
 
 
+def _dispatch_words(seed_words: jax.Array, counters: jax.Array, decode_steps: int) -> jax.Array:
+    """The noise words ``uint32[decode_steps, R, 2]`` of every step of a dispatch (step ``i`` of a row draws with
+    its key at generation step ``counter + i``), drawn at once ahead of its device loop: drawn inside it they
+    were two more small kernels in every step."""
+    offsets = jnp.arange(decode_steps, dtype=jnp.uint32)[:, None]
+    return jax.vmap(lambda step: draw_words(keys_from_words(seed_words, step)))(counters.astype(jnp.uint32) + offsets)
+
+
 def _as_padding(batch: PagedBatch, stopped: jax.Array) -> PagedBatch:
     """Rows that stopped become padding: their tokens write only to the sink page and sink slot."""
     return dataclasses.replace(
@@ -383,10 +391,7 @@ class StepRunner:
             hit = _is_stop_id(last, stop_ids)
             return stopped | hit | (counts < scalar["budget"])
 
-        # Every step's noise words at once, ahead of the device loop: drawn inside it they were two more small
-        # kernels in each step.
-        steps = jnp.arange(decode_steps, dtype=jnp.uint32)[:, None]
-        words = jax.vmap(lambda s: draw_words(keys_from_words(seeds, s)))(scalar["counter"].astype(jnp.uint32) + steps)
+        words = _dispatch_words(seeds, scalar["counter"], decode_steps)
 
         def one(tokens, batch, cache, i):
             logits, cache = model.forward_paged(tokens, batch, cache, placement)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from apriel2_jax.engine.sampling import (
+    GREEDY_TEMPERATURE,
+    _gumbel_noise,
     _top_k_mask,
     _top_p_mask,
     SamplingError,
@@ -279,20 +281,39 @@ def test_sampler_without_logprobs_draws_the_same_tokens_and_skips_the_normaliser
     assert has_exp() and not has_exp(logprobs=False)
 
 
-def test_sample_words_with_the_keys_words_is_sample():
-    """The engine draws a dispatch's noise words ahead of its device loop and samples with them: the same tokens
-    and log-probabilities as ``sample`` with the keys, for greedy, hot and filtered rows."""
+def test_one_argmax_draws_what_separate_greedy_and_noised_argmaxes_drew():
+    """The sampler's single argmax (raw logits on greedy rows, noised scaled logits on the others) gives, row by
+    row, the tokens of the two argmaxes and the select it replaced, for greedy, hot, filtered, tied, NaN and -inf
+    rows; ``sample`` with keys equals ``sample_words`` with their words."""
     logits = _random_logits(seed=11)
+    logits[0, [3, 9]] = 40.0  # a greedy row with a tie
+    logits[1, [4, 8]] = 40.0  # a sampled row with a tie
+    logits[3, 5] = np.nan
+    logits[6] = -np.inf
     temperature = np.where(np.arange(R) % 3 == 0, 0.0, 1.3).astype(np.float32)
     top_k = np.where(np.arange(R) % 4 == 1, 5, 0).astype(np.int32)
     top_p = np.where(np.arange(R) % 5 == 2, 0.7, 1.0).astype(np.float32)
     keys = make_keys(np.arange(R) * 7 + 1, np.arange(R))
-    expected = _sample(logits, temperature, top_k, top_p, keys)
     words = jax.jit(draw_words)(keys)
     assert words.shape == (R, 2) and words.dtype == np.uint32
+
+    def separate(logits, temperature, top_k, top_p, words):  # the formula before the single argmax
+        greedy = temperature <= GREEDY_TEMPERATURE
+        scaled = logits / jax.numpy.where(greedy, 1.0, temperature)[:, None]
+        use_k, use_p = ~greedy & (top_k > 0) & (top_k < V), ~greedy & (top_p < 1.0)
+        scaled = jax.numpy.where(_top_k_mask(scaled, jax.numpy.where(use_k, top_k, 0)), scaled, -np.inf)
+        scaled = jax.numpy.where(_top_p_mask(scaled, jax.numpy.where(use_p, top_p, 1.0)), scaled, -np.inf)
+        noised = jax.numpy.argmax(scaled + _gumbel_noise(words, logits.shape), axis=-1)
+        return jax.numpy.where(greedy, jax.numpy.argmax(logits, axis=-1), noised)
+
+    expected = np.asarray(jax.jit(separate)(logits, temperature, top_k, top_p, words))
     got = jax.jit(sample_words)(logits, temperature, top_k, top_p, words)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(expected[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), expected)
+    assert expected[0] == 3 and expected[3] == 5 and expected[6] == 0
+    assert (expected[1:][temperature[1:] > 0] != logits[1:][temperature[1:] > 0].argmax(-1)).any()
+    via_keys = _sample(logits, temperature, top_k, top_p, keys)
+    np.testing.assert_array_equal(np.asarray(via_keys[0]), expected)
+    np.testing.assert_array_equal(np.asarray(via_keys[1]), np.asarray(got[1]))
 
 
 def test_one_argmax_serves_greedy_and_sampled_rows():
