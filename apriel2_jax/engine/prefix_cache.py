@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .cache_layout import SINK, CacheConfigError
+from .cache_layout import CacheConfigError
 from .cache_manager import CacheManager
 from .pools import PoolError, SnapshotPool
 
